@@ -1,0 +1,296 @@
+"""The manifest: one YAML file that says what model to serve, on which pools, against which SLO.
+
+Loaded into pydantic models and validated before anything starts. Unknown keys are errors
+(a typo must not silently fall back to a default), and every error names the field, the value
+and the fix. `moe-serve plan MANIFEST` prints what a valid manifest would run where.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.errors import ManifestError, ManifestIssue
+
+_LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class Accelerator(str, Enum):
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class PoolRole(str, Enum):
+    colocated = "colocated"
+    """Prefill and decode in one engine per replica."""
+    prefill = "prefill"
+    decode = "decode"
+
+
+class ModelSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$")]
+    """Model id served on /v1/models and expected in requests' "model" field."""
+    path: Annotated[str, Field(min_length=1)]
+    """Checkpoint directory (readable at the same path on every node), or builtin://NAME for a
+    tiny checkpoint built locally (tiny-qwen3-moe, tiny-mixtral)."""
+    max_model_len: Annotated[int, Field(ge=16, le=1_048_576)] = 2048
+    """Context length in tokens (prompt + output); longer requests are rejected with HTTP 400."""
+    dtype: Annotated[str, Field(pattern=r"^(auto|bfloat16|float16|float32)$")] = "bfloat16"
+    """Weight and activation dtype: auto, bfloat16, float16 or float32."""
+
+    @field_validator("path")
+    @classmethod
+    def _known_builtin(cls, value: str) -> str:
+        from cluster.checkpoints import BUILTIN_SCHEME, SPECS
+
+        if value.startswith(BUILTIN_SCHEME) and value[len(BUILTIN_SCHEME):] not in SPECS:
+            known = ", ".join(BUILTIN_SCHEME + name for name in SPECS)
+            raise ValueError(f"unknown builtin checkpoint; use one of {known} or a directory")
+        return value
+
+
+class EngineSpec(_Strict):
+    """vLLM engine settings for every replica of a pool."""
+
+    enforce_eager: bool = True
+    """Skip graph capture (CPU and fast start-up); set false on GPUs for speed."""
+    max_num_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
+    """Most sequences one engine step schedules."""
+    max_num_batched_tokens: Annotated[int | None, Field(ge=16)] = None
+    """Token budget per engine step (vLLM's default when unset)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prompt prefixes."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=0.98)] = 0.15
+    """Fraction of accelerator memory for the engine. On CPU vLLM reads it as a fraction of the
+    NUMA node's host memory, so keep it small (0.1-0.2) there."""
+    cpu_kvcache_space_gib: Annotated[float, Field(gt=0.0, le=1024)] = 1.0
+    """CPU only: host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """Ranks per replica for tensor parallelism."""
+    block_size: Annotated[int | None, Field(ge=1, le=1024)] = None
+    """KV cache block size in tokens (vLLM's default when unset)."""
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+    """Further vLLM AsyncEngineArgs fields, passed through verbatim (checked against vLLM's
+    fields when the engine starts)."""
+
+
+class PlacementSpec(_Strict):
+    """Where a pool's replicas may run."""
+
+    node_labels: dict[Annotated[str, Field(pattern=_LABEL_KEY)], str] = Field(default_factory=dict)
+    """Ray node labels every replica's node must carry (e.g. {moe-role: decode})."""
+    num_cpus: Annotated[float, Field(ge=0, le=1024)] = 1.0
+    """Logical CPUs reserved per replica."""
+    num_gpus: Annotated[float, Field(ge=0, le=64)] = 0.0
+    """GPUs reserved per replica (must be >= engine.tensor_parallel_size on GPU manifests)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources reserved per replica."""
+
+
+class PoolSpec(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")]
+    """Pool name, unique in the manifest: lower case letters, digits and dashes."""
+    role: PoolRole = PoolRole.colocated
+    """colocated (prefill and decode in one engine), prefill or decode."""
+    replicas: Annotated[int, Field(ge=1, le=10_000)] = 1
+    """Engine replicas in the pool."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the pool's engine processes."""
+
+
+class SLOSpec(_Strict):
+    ttft_ms: Annotated[float, Field(gt=0)] = 2000.0
+    """Target time to first token, p90, in milliseconds."""
+    itl_ms: Annotated[float, Field(gt=0)] = 200.0
+    """Target inter-token latency, p90, in milliseconds."""
+
+
+class HTTPSpec(_Strict):
+    host: str = "127.0.0.1"
+    """Address the Serve HTTP proxy binds (0.0.0.0 to serve other machines)."""
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """Port of the Serve HTTP proxy."""
+    route_prefix: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._/-]*$")] = "/"
+    """Route prefix of the OpenAI application."""
+    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20
+    """Largest accepted request body; larger bodies get HTTP 413."""
+    ingress_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
+    """Replicas of the OpenAI ingress (tokenization and validation)."""
+
+
+class LocalNodeSpec(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")]
+    """Node name, for humans and plan output."""
+    num_cpus: Annotated[int, Field(ge=1, le=1024)] = 2
+    """Logical CPUs the node advertises to Ray (may exceed physical cores on one machine)."""
+    labels: dict[Annotated[str, Field(pattern=_LABEL_KEY)], str] = Field(default_factory=dict)
+    """Ray node labels, matched by pools' placement.node_labels."""
+
+
+class LocalClusterSpec(_Strict):
+    """The cluster `moe-serve up` starts on this machine (ignored by `moe-serve deploy`)."""
+
+    nodes: Annotated[list[LocalNodeSpec], Field(min_length=1)]
+    """Ray nodes to start; the first is the head (runs the Serve controller and HTTP proxy)."""
+
+
+class Manifest(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")]
+    """Serve application name."""
+    accelerator: Accelerator = Accelerator.cpu
+    """cpu (vllm-cpu build) or gpu (vllm)."""
+    model: ModelSpec
+    pools: Annotated[list[PoolSpec], Field(min_length=1)]
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    http: HTTPSpec = Field(default_factory=HTTPSpec)
+    local_cluster: LocalClusterSpec | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        problems: list[ManifestIssue] = []
+        names = [pool.name for pool in self.pools]
+        for index, name in enumerate(names):
+            if names.index(name) != index:
+                problems.append(ManifestIssue(
+                    f"pools[{index}].name", name, "duplicate pool name", "give every pool its own name"))
+        roles = {pool.role for pool in self.pools}
+        if PoolRole.prefill in roles or PoolRole.decode in roles:
+            problems.append(ManifestIssue(
+                "pools[].role", sorted(r.value for r in roles),
+                "prefill/decode pools are not supported by this release",
+                "use role: colocated"))
+        for index, pool in enumerate(self.pools):
+            if self.accelerator is Accelerator.gpu and pool.placement.num_gpus < pool.engine.tensor_parallel_size:
+                problems.append(ManifestIssue(
+                    f"pools[{index}].placement.num_gpus", pool.placement.num_gpus,
+                    f"fewer GPUs than engine.tensor_parallel_size={pool.engine.tensor_parallel_size}",
+                    "reserve at least one GPU per tensor-parallel rank"))
+            if self.accelerator is Accelerator.cpu and pool.placement.num_gpus > 0:
+                problems.append(ManifestIssue(
+                    f"pools[{index}].placement.num_gpus", pool.placement.num_gpus,
+                    "GPUs requested on a cpu manifest", "set accelerator: gpu or num_gpus: 0"))
+            if self.local_cluster and pool.placement.node_labels and not any(
+                pool.placement.node_labels.items() <= node.labels.items() for node in self.local_cluster.nodes
+            ):
+                problems.append(ManifestIssue(
+                    f"pools[{index}].placement.node_labels", pool.placement.node_labels,
+                    "no node of local_cluster carries these labels",
+                    "add the labels to a node in local_cluster.nodes or change the selector"))
+        if self.local_cluster:
+            node_names = [node.name for node in self.local_cluster.nodes]
+            if len(set(node_names)) != len(node_names):
+                problems.append(ManifestIssue(
+                    "local_cluster.nodes[].name", node_names, "duplicate node names", "name every node uniquely"))
+        if problems:
+            raise _ConsistencyError(problems)
+        return self
+
+    def pool(self, name: str) -> PoolSpec:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(name)
+
+
+class _ConsistencyError(ValueError):
+    def __init__(self, issues: list[ManifestIssue]):
+        self.issues = issues
+        super().__init__("; ".join(map(str, issues)))
+
+
+def parse_manifest(data: Any, source: str = "<manifest>") -> Manifest:
+    if not isinstance(data, dict):
+        raise ManifestError(source, [ManifestIssue(
+            "<top level>", type(data).__name__, "the manifest must be a mapping", "start from manifests/local.yaml")])
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(source, _issues_from(exc)) from None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ManifestError(str(path), [ManifestIssue(
+            "<file>", str(path), f"cannot read: {exc.strerror}", "pass the path of a manifest YAML file")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+        raise ManifestError(str(path), [ManifestIssue(
+            "<yaml>", where, f"not valid YAML: {getattr(exc, 'problem', exc)}", "fix the YAML syntax there")]) from None
+    return parse_manifest(data, str(path))
+
+
+def _issues_from(exc: ValidationError) -> list[ManifestIssue]:
+    issues: list[ManifestIssue] = []
+    for error in exc.errors():
+        context = error.get("ctx", {}).get("error")
+        if isinstance(context, _ConsistencyError):
+            issues.extend(context.issues)
+            continue
+        loc = error["loc"]
+        field = _dotted(loc)
+        if error["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            known = ", ".join(sorted(parent.model_fields)) if parent else "see manifests/local.yaml"
+            issues.append(ManifestIssue(field, error["input"], "unknown field", f"remove it or use one of: {known}"))
+            continue
+        if error["type"] == "missing":
+            issues.append(ManifestIssue(field, None, "required field is missing", _describe(loc) or "add it"))
+            continue
+        issues.append(ManifestIssue(field, error.get("input"), error["msg"], _describe(loc) or "see manifests/local.yaml"))
+    return issues
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """Walk the schema along a pydantic error location to the model that owns the last key."""
+    model: Any = Manifest
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        model = _unwrap(field.annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    from typing import get_args
+
+    for arg in (annotation, *get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+        for inner in get_args(arg):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def _describe(loc: tuple) -> str | None:
+    parent = _model_at(loc[:-1])
+    if parent is None or not loc or isinstance(loc[-1], int):
+        return None
+    field = parent.model_fields.get(loc[-1])
+    return " ".join(field.description.split()) if field and field.description else None

@@ -1,0 +1,32 @@
+"""Reads what `plan` needs from a checkpoint directory (config.json, weight file sizes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.plan import ModelFacts
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def read_model_facts(path: Path, dtype: str) -> ModelFacts | None:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    layers = int(config.get("num_hidden_layers", 0))
+    heads = int(config.get("num_attention_heads", 1))
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or config.get("hidden_size", 0) // max(heads, 1))
+    dtype = config.get("torch_dtype", "bfloat16") if dtype == "auto" else dtype
+    element = _DTYPE_BYTES.get(str(dtype), 2)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    return ModelFacts(
+        weight_bytes=weights,
+        num_layers=layers,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * element,
+        num_experts=int(experts) if experts else None,
+    )

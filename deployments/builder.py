@@ -1,0 +1,72 @@
+"""The only module that wires Serve: manifest -> Serve application.
+
+Ingress (OpenAIIngress) -> engine pool (LLMServer replicas, one vLLM engine each).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.manifest import Accelerator, Manifest, PoolRole, PoolSpec
+from cluster.plan import INGRESS_NUM_CPUS
+from deployments.llm_server import LLMServer
+from deployments.openai_ingress import OpenAIIngress
+
+INGRESS_DEPLOYMENT = "openai-ingress"
+
+
+def engine_env(manifest: Manifest, pool: PoolSpec) -> dict[str, str]:
+    """Environment of a pool's engine processes: CPU-backend settings, then the pool's own."""
+    env: dict[str, str] = {}
+    if manifest.accelerator is Accelerator.cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{pool.engine.cpu_kvcache_space_gib:g}"
+        # Several engines share this machine's cores; pinning ("auto") refuses two per NUMA node.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env.update(pool.env)
+    return env
+
+
+def engine_actor_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "num_cpus": pool.placement.num_cpus,
+        "num_gpus": pool.placement.num_gpus,
+        "runtime_env": {"env_vars": engine_env(manifest, pool)},
+    }
+    if pool.placement.resources:
+        options["resources"] = dict(pool.placement.resources)
+    if pool.placement.node_labels:
+        options["label_selector"] = dict(pool.placement.node_labels)
+    return options
+
+
+def build_app(manifest: Manifest, model_path: str) -> Application:
+    model = manifest.model.model_dump()
+    http = manifest.http.model_dump()
+    pools = [p for p in manifest.pools if p.role is PoolRole.colocated]
+    if len(pools) != 1:
+        raise ValueError("this release serves exactly one colocated pool")
+    pool = pools[0]
+
+    engine = serve.deployment(LLMServer).options(
+        name=pool.name,
+        num_replicas=pool.replicas,
+        ray_actor_options=engine_actor_options(manifest, pool),
+        # Admit more than one engine step's worth so the engine's own scheduler batches them.
+        max_ongoing_requests=pool.engine.max_num_seqs * 4,
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=5,
+    ).bind(model, pool.engine.model_dump(), model_path)
+
+    ingress_options: dict[str, Any] = {"num_cpus": INGRESS_NUM_CPUS}
+    if manifest.local_cluster and manifest.local_cluster.nodes[0].labels:
+        ingress_options["label_selector"] = dict(manifest.local_cluster.nodes[0].labels)
+    return serve.deployment(OpenAIIngress).options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=manifest.http.ingress_replicas,
+        ray_actor_options=ingress_options,
+        max_ongoing_requests=1024,
+    ).bind(engine, model, http, model_path)

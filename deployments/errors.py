@@ -1,0 +1,33 @@
+"""Errors returned to HTTP clients, in the OpenAI error shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class APIError(Exception):
+    """An error that becomes `{"error": {...}}` with an HTTP status."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, code: str = "not_found") -> APIError:
+    return APIError(404, message, code=code)
+
+
+def server_error(message: str, *, retriable: bool = False) -> APIError:
+    if retriable:
+        return APIError(503, message, type="service_unavailable", code="retry")
+    return APIError(500, message, type="internal_error")

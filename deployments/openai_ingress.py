@@ -1,0 +1,197 @@
+"""The OpenAI-compatible ingress: parse, validate, tokenize, stream from the engine pool.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health.
+Every bad request gets an OpenAI-shaped JSON error and a 4xx status; nothing a client sends
+can take the ingress down for other clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from deployments import openai_responses as out
+from deployments.errors import APIError, bad_request, not_found, server_error
+from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+class OpenAIIngress:
+    def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None):
+        from deployments.engine_client import HandleEngineClient
+        from deployments.tokenizer import PromptTokenizer
+
+        # A Serve handle is wrapped; tests may pass anything with stream()/health().
+        self._engine = engine if hasattr(engine, "stream") else HandleEngineClient(engine)
+        self._model_name: str = model["name"]
+        self._max_model_len: int = model["max_model_len"]
+        self._max_request_bytes: int = http["max_request_bytes"]
+        self._tokenizer = tokenizer or PromptTokenizer.from_path(model_path)
+        self._created = int(time.time())
+        self._routes = {
+            ("GET", "/v1/models"): self._models,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat_completions,
+            ("GET", "/health"): self._health,
+        }
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        root = request.scope.get("root_path", "")
+        if root and root != "/" and path.startswith(root):
+            path = path[len(root):] or "/"
+        handler = self._routes.get((request.method, path.rstrip("/") or "/"))
+        try:
+            if handler is None:
+                if any(p == path.rstrip("/") for _, p in self._routes):
+                    raise APIError(405, f"method {request.method} not allowed on {path}", code="method_not_allowed")
+                raise not_found(f"no route {request.method} {path}; see /v1/models, /v1/completions, "
+                                "/v1/chat/completions, /health")
+            return await handler(request)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except Exception:  # a bug must cost one request, not the service
+            logger.exception("unhandled error on %s %s", request.method, path)
+            return JSONResponse(server_error("internal error").body(), status_code=500)
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self._model_name, "object": "model", "created": self._created, "owned_by": "moe-serve",
+            "max_model_len": self._max_model_len}]})
+
+    async def _health(self, request: Request) -> Response:
+        try:
+            await self._engine.health(HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            return JSONResponse({"status": "unhealthy", "reason": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def _completions(self, request: Request) -> Response:
+        body = parse_request(CompletionRequest, await self._json_body(request))
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = self._tokenizer.encode_prompt(body.prompt)
+        else:
+            bad = [t for t in body.prompt if not 0 <= t < self._tokenizer.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self._tokenizer.vocab_size})", param="prompt")
+            prompt_ids = list(body.prompt)
+        return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl")
+
+    async def _chat_completions(self, request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await self._json_body(request))
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = self._tokenizer.encode_chat(messages)
+        return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl")
+
+    # -- shared path --------------------------------------------------------------------------
+
+    async def _json_body(self, request: Request) -> object:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self._max_request_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
+                                f"{self._max_request_bytes} bytes", code="body_too_large")
+        raw = await request.body()
+        if len(raw) > self._max_request_bytes:
+            raise APIError(413, f"request body exceeds the limit of {self._max_request_bytes} bytes",
+                           code="body_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self._model_name:
+            raise not_found(f"model '{model}' does not exist; this endpoint serves '{self._model_name}'",
+                            code="model_not_found")
+
+    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Output token budget, or a 400 when the request cannot fit the context (as vLLM does)."""
+        if prompt_len >= self._max_model_len:
+            raise bad_request(f"prompt is {prompt_len} tokens but the model's context is {self._max_model_len} "
+                              "tokens; shorten the prompt", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return self._max_model_len - prompt_len
+        if prompt_len + max_tokens > self._max_model_len:
+            raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                              f"context of {self._max_model_len} tokens; lower max_tokens to at most "
+                              f"{self._max_model_len - prompt_len}", param="max_tokens",
+                              code="context_length_exceeded")
+        return max_tokens
+
+    async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
+                        prefix: str) -> Response:
+        sampling = SamplingSpec(
+            max_tokens=self._budget(len(prompt_ids), max_tokens),
+            temperature=float(body.temperature), top_p=float(body.top_p), top_k=max(body.top_k, 0),
+            min_tokens=body.min_tokens, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+            presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
+            repetition_penalty=float(body.repetition_penalty),
+        )
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ctx = out.ResponseContext(
+            request_id=request_id, model=self._model_name, chat=chat, prompt_token_ids=prompt_ids,
+            return_token_ids=body.return_token_ids,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+        stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling))
+        if body.stream:
+            first = await _first_item(stream)
+            if isinstance(first, EngineFailure):
+                await stream.aclose()
+                raise server_error(first.message, retriable=first.retriable)
+            return StreamingResponse(self._sse(ctx, first, stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        return await self._collect(ctx, stream)
+
+    async def _collect(self, ctx: out.ResponseContext, stream: AsyncIterator) -> Response:
+        text: list[str] = []
+        token_ids: list[int] = []
+        finish_reason = None
+        async for item in stream:
+            if isinstance(item, EngineFailure):
+                raise server_error(item.message, retriable=item.retriable)
+            text.append(item.text)
+            token_ids.extend(item.token_ids)
+            finish_reason = item.finish_reason or finish_reason
+        return JSONResponse(out.full_response(ctx, "".join(text), token_ids, finish_reason),
+                            headers={"X-Request-Id": ctx.request_id})
+
+    async def _sse(self, ctx: out.ResponseContext, first: TokenDelta | None, stream: AsyncIterator) -> AsyncIterator[bytes]:
+        completion_tokens = 0
+        try:
+            item = first
+            is_first = True
+            while item is not None:
+                if isinstance(item, EngineFailure):
+                    yield out.sse(server_error(item.message, retriable=item.retriable).body())
+                    break
+                completion_tokens = item.completion_tokens
+                if item.text or item.token_ids or item.finish_reason or (is_first and ctx.chat):
+                    yield out.sse(out.stream_chunk(ctx, item.text, item.token_ids, item.finish_reason, first=is_first))
+                    is_first = False
+                item = await anext(stream, None)
+            if ctx.include_usage:
+                yield out.sse(out.usage_chunk(ctx, completion_tokens))
+            yield out.SSE_DONE
+        finally:
+            await stream.aclose()  # on client disconnect this cancels the engine request
+
+
+async def _first_item(stream: AsyncIterator) -> Any:
+    return await anext(stream, None)

@@ -1,0 +1,66 @@
+"""Typed records handed between the ingress and the engine servers.
+
+They cross Ray process boundaries (pickled), so they hold plain data only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling settings of one request, engine-agnostic (the engine adapter maps them)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A tokenized, validated request for one engine replica."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output of one request since the previous delta."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    prompt_tokens: int
+    completion_tokens: int  # cumulative
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The engine could not run the request (yielded as a value, not raised across Ray)."""
+
+    message: str
+    retriable: bool = False
+
+
+@dataclass
+class ServerStats:
+    """Counters of one engine server replica, for tests and `moe-serve status`."""
+
+    replica_id: str
+    started_total: int = 0
+    finished_total: int = 0
+    aborted_total: int = 0
+    failed_total: int = 0
+    in_flight_request_ids: list[str] = field(default_factory=list)
+    engine_unfinished_requests: int = 0  # requests the vLLM engine itself still tracks

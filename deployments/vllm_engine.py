@@ -1,0 +1,107 @@
+"""The one adapter to vLLM: start an AsyncLLM from manifest settings and stream token deltas.
+
+Everything above this module sees only our records (EngineRequest, TokenDelta).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deployments.records import EngineRequest, SamplingSpec, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+def engine_args_dict(model: dict, engine: dict, model_path: str) -> dict[str, Any]:
+    """AsyncEngineArgs fields for one replica (pure, so `plan` and tests can inspect it)."""
+    args: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": model_path,
+        "served_model_name": model["name"],
+        "max_model_len": model["max_model_len"],
+        "dtype": model["dtype"],
+        "enforce_eager": engine["enforce_eager"],
+        "max_num_seqs": engine["max_num_seqs"],
+        "enable_prefix_caching": engine["enable_prefix_caching"],
+        "gpu_memory_utilization": engine["gpu_memory_utilization"],
+        "tensor_parallel_size": engine["tensor_parallel_size"],
+    }
+    for optional in ("max_num_batched_tokens", "block_size"):
+        if engine.get(optional) is not None:
+            args[optional] = engine[optional]
+    args.update(engine.get("extra_args") or {})
+    return args
+
+
+def to_sampling_params(spec: SamplingSpec):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,  # 0 = all tokens, as in vLLM
+        min_tokens=spec.min_tokens,
+        seed=spec.seed,
+        stop=list(spec.stop) or None,
+        ignore_eos=spec.ignore_eos,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class VLLMEngine:
+    """A running vLLM AsyncLLM."""
+
+    def __init__(self, llm: Any, max_model_len: int):
+        self._llm = llm
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def start(cls, model: dict, engine: dict, model_path: str, *, stat_loggers: list | None = None) -> "VLLMEngine":
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**engine_args_dict(model, engine, model_path))
+        llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
+        return cls(llm, model["max_model_len"])
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        from vllm.inputs import TokensPrompt
+
+        prompt_tokens = len(request.prompt_token_ids)
+        completion_tokens = 0
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+            to_sampling_params(request.sampling),
+            request.request_id,
+        )
+        async for output in stream:
+            completion = output.outputs[0]
+            completion_tokens += len(completion.token_ids)
+            yield TokenDelta(
+                text=completion.text,
+                token_ids=list(completion.token_ids),
+                finish_reason=completion.finish_reason if output.finished else None,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine front-end still tracks (0 once every request finished or aborted)."""
+        return self._llm.output_processor.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
