@@ -29,3 +29,10 @@ class HandleEngineClient:
 
     async def health(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._handle.check_health.remote(), timeout_s)
+
+
+def as_engine_client(engine: Any) -> Any:
+    """Wrap a Serve handle; anything else (a test's fake) must already have stream()/health()."""
+    from ray.serve.handle import DeploymentHandle
+
+    return HandleEngineClient(engine) if isinstance(engine, DeploymentHandle) else engine

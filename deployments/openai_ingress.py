@@ -29,11 +29,10 @@ HEALTH_TIMEOUT_S = 10.0
 
 class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None):
-        from deployments.engine_client import HandleEngineClient
+        from deployments.engine_client import as_engine_client
         from deployments.tokenizer import PromptTokenizer
 
-        # A Serve handle is wrapped; tests may pass anything with stream()/health().
-        self._engine = engine if hasattr(engine, "stream") else HandleEngineClient(engine)
+        self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]
         self._max_model_len: int = model["max_model_len"]
         self._max_request_bytes: int = http["max_request_bytes"]

@@ -1,0 +1,164 @@
+"""`moe-serve`: plan, up, deploy, status, down.
+
+    moe-serve plan [MANIFEST]      validate and show what would run where (starts nothing)
+    moe-serve up [MANIFEST]        local multi-node cluster + deploy; serves until Ctrl-C
+    moe-serve deploy MANIFEST      deploy onto a running cluster (works under `ray job submit`)
+    moe-serve status               nodes, applications, replicas
+    moe-serve down [--app NAME]    remove the application (default: every Serve application)
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from cluster.errors import ClusterError, ManifestError
+from cluster.manifest import Manifest, load_manifest
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "manifests" / "local.yaml"
+
+
+def _progress(message: str) -> None:
+    print(f"[moe-serve] {message}", file=sys.stderr, flush=True)
+
+
+def _load(path: str | None) -> Manifest:
+    return load_manifest(path or DEFAULT_MANIFEST)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from cluster.checkpoints import resolve_model_path
+    from cluster.model_facts import read_model_facts
+    from cluster.plan import make_plan, render_plan
+
+    manifest = _load(args.manifest)
+    facts = read_model_facts(resolve_model_path(manifest.model.path, build=False), manifest.model.dtype)
+    print(render_plan(make_plan(manifest, facts)))
+    return 0
+
+
+def _print_ready(result, manifest: Manifest) -> None:
+    url = result.url
+    print(f"\nmoe-serve is serving '{manifest.model.name}' at {url}/v1  (ready in {result.seconds:.0f}s)\n"
+          f"try:\n  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{manifest.model.name}\", \"prompt\": \"Mixture of experts\", "
+          f"\"max_tokens\": 16, \"temperature\": 0}}'\n", flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cluster.checkpoints import resolve_model_path
+    from cluster.local_cluster import ClusterPorts, LocalCluster
+    from cluster.serve_control import connect, deploy
+
+    manifest = _load(args.manifest)
+    if manifest.local_cluster is None:
+        raise ClusterError("this manifest declares no local_cluster; use `moe-serve deploy` on a running cluster")
+    resolve_model_path(manifest.model.path)  # build the tiny checkpoint before starting anything
+    cluster = LocalCluster(manifest.local_cluster, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster.start(progress=_progress)
+    try:
+        connect(cluster.address)
+        result = deploy(manifest, progress=_progress)
+        _print_ready(result, manifest)
+        print(f"submit jobs with: ray job submit --address {cluster.dashboard_url} --working-dir . -- "
+              f"moe-serve deploy manifests/local.yaml\nCtrl-C stops the application and the cluster.", flush=True)
+        if args.exit_after_ready:
+            return 0
+        stop.wait()
+        _progress("stopping: deleting the application and shutting down the local cluster")
+    finally:
+        _shutdown(cluster)
+    return 0
+
+
+def _shutdown(cluster) -> None:
+    try:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+        _progress("stopped")
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from cluster.serve_control import connect, deploy
+
+    manifest = _load(args.manifest)
+    connect(args.address)
+    result = deploy(manifest, progress=_progress)
+    _print_ready(result, manifest)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cluster.serve_control import connect, status_text
+
+    connect(args.address)
+    print(status_text())
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from cluster.serve_control import connect, remove
+
+    connect(args.address)
+    print(remove(args.app))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="validate a manifest and print the placement")
+    plan.add_argument("manifest", nargs="?", help="manifest YAML (default: the embedded local manifest)")
+    plan.set_defaults(func=cmd_plan)
+
+    up = sub.add_parser("up", help="start a local cluster, deploy, serve until Ctrl-C")
+    up.add_argument("manifest", nargs="?", help="manifest YAML (default: the embedded local manifest)")
+    up.add_argument("--gcs-port", type=int, default=6379)
+    up.add_argument("--dashboard-port", type=int, default=8265)
+    up.add_argument("--exit-after-ready", action="store_true", help="stop again once serving (smoke test)")
+    up.set_defaults(func=cmd_up)
+
+    deploy = sub.add_parser("deploy", help="deploy a manifest onto a running Ray cluster")
+    deploy.add_argument("manifest")
+    deploy.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or auto)")
+    deploy.set_defaults(func=cmd_deploy)
+
+    status = sub.add_parser("status", help="show nodes and applications")
+    status.add_argument("--address", default=None)
+    status.set_defaults(func=cmd_status)
+
+    down = sub.add_parser("down", help="remove a deployed application")
+    down.add_argument("--app", default=None, help="application name (default: all)")
+    down.add_argument("--address", default=None)
+    down.set_defaults(func=cmd_down)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ManifestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""A multi-node Ray cluster on this machine: one real raylet per manifest node, with labels.
+
+Owned by the process that starts it (`moe-serve up`, or the test session) and stopped with
+it, so it never touches other Ray clusters on the machine. All traffic stays on loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.errors import ClusterError
+from cluster.manifest import LocalClusterSpec
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ClusterPorts:
+    gcs: int = 6379
+    dashboard: int = 8265
+    metrics_export_base: int = 8090  # node i exports Ray (and engine) metrics on base + i
+
+
+def ray_environment() -> dict[str, str]:
+    """Environment every Ray process of ours needs (set before Ray starts in this process)."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    return {
+        # Ray 2.60 enables token auth for new clusters; every client must then say so explicitly.
+        "RAY_AUTH_MODE": "token",
+        # Ray rewrites "127.0.0.1" in addresses to the machine's interface IP when clusters are
+        # enabled; our raylets listen on loopback only. This flag (named for Windows/OSX) makes
+        # Ray resolve localhost to 127.0.0.1, keeping every driver and job on loopback.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        # `ray job submit -- moe-serve ...` runs on the head with this PATH: make our CLI findable.
+        "PATH": path if path.startswith(venv_bin) else f"{venv_bin}:{path}",
+        # The engine's worker processes are spawned; keep CPU engines from pinning cores.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+    }
+
+
+def ensure_auth_token() -> None:
+    """Create Ray's cluster token (~/.ray/auth_token) if missing; raylets refuse to start without."""
+    import subprocess
+
+    ray_cli = Path(sys.executable).parent / "ray"
+    result = subprocess.run([str(ray_cli), "get-auth-token", "--generate"], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ClusterError(f"could not create a Ray auth token: {result.stderr.strip()[-500:]}")
+
+
+class LocalCluster:
+    def __init__(self, spec: LocalClusterSpec, ports: ClusterPorts = ClusterPorts(),
+                 object_store_bytes: int = 256 << 20):
+        self.spec = spec
+        self.ports = ports
+        self._object_store_bytes = object_store_bytes
+        self._cluster = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.ports.gcs}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports.dashboard}"
+
+    def start(self, progress=print) -> "LocalCluster":
+        # Before Ray is imported: Ray reads its auth mode once, at import.
+        os.environ.update(ray_environment())
+        ensure_auth_token()
+        from ray.cluster_utils import Cluster
+
+        head, *workers = self.spec.nodes
+        started = time.monotonic()
+        try:
+            progress(f"starting Ray head node '{head.name}' ({head.num_cpus} CPUs, labels {head.labels}) "
+                     f"on {self.address}")
+            self._cluster = Cluster(initialize_head=True, head_node_args=dict(
+                self._node_args(head, 0), gcs_server_port=self.ports.gcs, include_dashboard=True,
+                dashboard_host=LOOPBACK, dashboard_port=self.ports.dashboard))
+            for index, node in enumerate(workers, start=1):
+                progress(f"starting Ray node '{node.name}' ({node.num_cpus} CPUs, labels {node.labels})")
+                self._cluster.add_node(**self._node_args(node, index))
+            self._cluster.wait_for_nodes()
+        except Exception as exc:
+            self.shutdown()
+            raise ClusterError(f"could not start the local Ray cluster: {exc}. Is another cluster using port "
+                               f"{self.ports.gcs} or {self.ports.dashboard}? Stop it (`ray stop`) or change ports.") from exc
+        progress(f"{len(self.spec.nodes)} Ray nodes up in {time.monotonic() - started:.1f}s; "
+                 f"dashboard {self.dashboard_url}")
+        return self
+
+    def _node_args(self, node, index: int) -> dict:
+        return dict(num_cpus=node.num_cpus, num_gpus=0, labels=dict(node.labels), node_ip_address=LOOPBACK,
+                    object_store_memory=self._object_store_bytes,
+                    metrics_export_port=self.ports.metrics_export_base + index)
+
+    def shutdown(self) -> None:
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None

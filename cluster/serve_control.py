@@ -1,0 +1,90 @@
+"""The adapter to a running Ray cluster and Serve: connect, deploy, report, remove."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from cluster.checkpoints import resolve_model_path
+from cluster.errors import ClusterError
+from cluster.local_cluster import LOOPBACK, ray_environment
+from cluster.manifest import Manifest
+
+
+def connect(address: str | None = None) -> None:
+    """Join a running cluster as a driver ("auto": RAY_ADDRESS or the latest local cluster)."""
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address == "auto" or address.split(":")[0] in {LOOPBACK, "localhost"}:
+        for key, value in ray_environment().items():
+            os.environ.setdefault(key, value)
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except ConnectionError as exc:
+        raise ClusterError(f"no Ray cluster at {address!r}: {exc}. Start one with `moe-serve up` "
+                           "or pass --address HOST:PORT") from None
+
+
+@dataclass(frozen=True)
+class DeployResult:
+    app_name: str
+    url: str
+    model: str
+    seconds: float
+
+
+def deploy(manifest: Manifest, progress=print) -> DeployResult:
+    """Deploy (or update) the manifest's application on the connected cluster; waits until ready."""
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    started = time.monotonic()
+    model_path = str(resolve_model_path(manifest.model.path))
+    progress(f"checkpoint {model_path}")
+    serve.start(http_options={"host": manifest.http.host, "port": manifest.http.port})
+    progress(f"deploying application '{manifest.name}': "
+             + ", ".join(f"{p.name} x{p.replicas} ({p.role.value})" for p in manifest.pools)
+             + " (vLLM engines take ~30-60 s to start on CPU)")
+    serve.run(build_app(manifest, model_path), name=manifest.name, route_prefix=manifest.http.route_prefix,
+              blocking=False)
+    url = f"http://{manifest.http.host}:{manifest.http.port}{manifest.http.route_prefix.rstrip('/')}"
+    return DeployResult(manifest.name, url, manifest.model.name, time.monotonic() - started)
+
+
+def status_text() -> str:
+    import ray
+    from ray import serve
+
+    lines = ["nodes:"]
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        labels = {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
+        cpus = node.get("Resources", {}).get("CPU", 0)
+        lines.append(f"  {node['NodeManagerAddress']:<16} {node['NodeID'][:12]}  cpus={cpus:g}  labels={labels}")
+    status = serve.status()
+    if not status.applications:
+        lines.append("no Serve applications")
+    for name, app in status.applications.items():
+        lines.append(f"application {name}: {app.status.value}")
+        for dep_name, dep in app.deployments.items():
+            replicas = ", ".join(f"{state.value}={count}" for state, count in dep.replica_states.items())
+            lines.append(f"  {dep_name:<20} {dep.status.value:<10} replicas: {replicas or '-'}")
+            if dep.message:
+                lines.append(f"    {dep.message[:300]}")
+    return "\n".join(lines)
+
+
+def remove(app_name: str | None) -> str:
+    from ray import serve
+
+    if app_name:
+        serve.delete(app_name)
+        return f"deleted application {app_name}"
+    serve.shutdown()
+    return "shut down Serve (all applications)"
