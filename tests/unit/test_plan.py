@@ -1,0 +1,196 @@
+"""Placement math of `moe-serve plan` (pure) and the `plan` command end to end (no Ray)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.manifest import load_manifest, parse_manifest
+from cluster.model_facts import read_model_facts
+from cluster.plan import INGRESS_NUM_CPUS, ModelFacts, make_plan, render_plan
+
+MANIFESTS = sorted((Path(__file__).resolve().parents[2] / "manifests").glob("*.yaml"))
+LOCAL = next(p for p in MANIFESTS if p.name == "local.yaml")
+GPU = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200.yaml")
+
+
+def cpu_manifest(*, nodes: list[dict], pools: list[dict]):
+    return parse_manifest({
+        "name": "t",
+        "model": {"name": "m", "path": "builtin://tiny-qwen3-moe"},
+        "local_cluster": {"nodes": nodes},
+        "pools": pools,
+    })
+
+
+THREE_NODES = [
+    {"name": "head", "num_cpus": 4, "labels": {"role": "head"}},
+    {"name": "e0", "num_cpus": 4, "labels": {"role": "engine"}},
+    {"name": "e1", "num_cpus": 4, "labels": {"role": "engine", "zone": "b"}},
+]
+
+
+def test_replicas_spread_round_robin_over_matching_nodes():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[
+        {"name": "engine", "replicas": 5, "placement": {"node_labels": {"role": "engine"}, "num_cpus": 0.5}}])
+    plan = make_plan(manifest)
+    (pool,) = plan.pools
+    assert [(r.replica_index, r.node) for r in pool.replicas] == [(0, "e0"), (1, "e1"), (2, "e0"), (3, "e1"), (4, "e0")]
+    assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "e0": 1.5, "e1": 1.0}
+    assert plan.ingress_node == "head"
+    assert plan.warnings == []
+
+
+def test_selector_with_several_labels_narrows_the_nodes():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[
+        {"name": "engine", "replicas": 2, "placement": {"node_labels": {"role": "engine", "zone": "b"}}}])
+    assert [r.node for r in make_plan(manifest).pools[0].replicas] == ["e1", "e1"]
+
+
+def test_pool_without_labels_may_use_every_node():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[{"name": "engine", "replicas": 4}])
+    assert [r.node for r in make_plan(manifest).pools[0].replicas] == ["head", "e0", "e1", "head"]
+
+
+def test_cpu_oversubscription_warns_about_the_node():
+    manifest = cpu_manifest(
+        nodes=[{"name": "head", "num_cpus": 1}, {"name": "small", "num_cpus": 2, "labels": {"role": "engine"}}],
+        pools=[{"name": "engine", "replicas": 3, "placement": {"node_labels": {"role": "engine"}, "num_cpus": 1}}])
+    plan = make_plan(manifest)
+    assert plan.node_cpu_reserved["small"] == 3
+    (warning,) = plan.warnings
+    assert "small" in warning and "3" in warning and "advertises 2" in warning
+    assert f"warning: {warning}" in render_plan(plan)
+
+
+def test_ingress_cpus_count_against_the_head():
+    # The head advertises 1 CPU; one engine replica (1 CPU) plus the ingress (0.25) overfill it.
+    manifest = cpu_manifest(nodes=[{"name": "head", "num_cpus": 1}], pools=[{"name": "engine"}])
+    plan = make_plan(manifest)
+    assert plan.node_cpu_reserved == {"head": 1 + INGRESS_NUM_CPUS}
+    assert len(plan.warnings) == 1 and "head" in plan.warnings[0]
+
+
+def test_local_manifest_plan_fits():
+    plan = make_plan(load_manifest(LOCAL))
+    assert plan.warnings == []
+    assert [r.node for r in plan.pools[0].replicas] == ["engine-0"]
+    assert plan.endpoint_url == "http://127.0.0.1:8000"
+
+
+def test_gpu_manifest_without_local_cluster_shows_the_selector():
+    plan = make_plan(load_manifest(GPU))
+    (pool,) = plan.pools
+    assert len(pool.replicas) == 4
+    assert {r.node for r in pool.replicas} == {"nodes with accelerator-type=H200"}
+    assert {(r.num_cpus, r.num_gpus) for r in pool.replicas} == {(16, 8)}
+    assert plan.node_cpu_reserved == {}
+    assert plan.ingress_node.startswith("any node")
+    # vLLM sizes GPU KV caches at start-up, so the plan does not guess.
+    assert pool.kv_cache_bytes_per_replica is None and pool.kv_cache_tokens_per_replica is None
+    text = render_plan(plan)
+    assert "nodes with accelerator-type=H200" in text
+    assert "auto (GPU memory)" in text
+
+
+def test_kv_tokens_from_model_facts():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[
+        {"name": "engine", "placement": {"node_labels": {"role": "engine"}}, "engine": {"cpu_kvcache_space_gib": 2}}])
+    facts = ModelFacts(weight_bytes=3 << 30, num_layers=4, kv_bytes_per_token=1000, num_experts=8)
+    plan = make_plan(manifest, facts)
+    (pool,) = plan.pools
+    assert pool.kv_cache_bytes_per_replica == 2 << 30
+    assert pool.kv_cache_tokens_per_replica == (2 << 30) // 1000
+    text = render_plan(plan)
+    assert f"{(2 << 30) // 1000:,} tokens" in text
+    assert "3.00 GiB weights, 4 layers, 8 routed experts/layer, 1000 KV bytes/token" in text
+
+
+def test_kv_bytes_without_facts_leave_tokens_unknown():
+    plan = make_plan(load_manifest(LOCAL))
+    pool = plan.pools[0]
+    assert pool.kv_cache_bytes_per_replica == 1 << 30
+    assert pool.kv_cache_tokens_per_replica is None
+    assert "sizes unknown" in render_plan(plan)
+
+
+def test_render_plan_lists_every_pool_replica_and_node():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[
+        {"name": "alpha", "replicas": 2, "placement": {"node_labels": {"role": "engine"}}},
+        {"name": "beta", "replicas": 1, "placement": {"node_labels": {"role": "head"}}},
+    ])
+    text = render_plan(make_plan(manifest))
+    rows = [line.split() for line in text.splitlines() if line.startswith(("alpha", "beta"))]
+    assert [(r[0], r[2], r[3]) for r in rows] == [("alpha", "0", "e0"), ("alpha", "1", "e1"), ("beta", "0", "head")]
+    assert "application t: model m" in text
+    assert "ingress      on head" in text
+    assert "cpus reserved per node: head=1.25, e0=1, e1=1" in text
+
+
+def test_read_model_facts(tmp_path):
+    config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "num_experts": 8, "hidden_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1234)
+    facts = read_model_facts(tmp_path, "bfloat16")
+    # K and V (2) x layers (4) x kv heads (2) x head dim (32) x bf16 (2 bytes)
+    assert facts == ModelFacts(weight_bytes=1234, num_layers=4, kv_bytes_per_token=1024, num_experts=8)
+    assert read_model_facts(tmp_path, "float32").kv_bytes_per_token == 2048
+    assert read_model_facts(tmp_path / "absent", "bfloat16") is None
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_checkpoints(tmp_path, monkeypatch):
+    """Point builtin checkpoints at an empty folder so output does not depend on ~/.cache."""
+    root = tmp_path / "checkpoints"
+    monkeypatch.setenv("MOE_SERVE_CHECKPOINTS", str(root))
+    return root
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_cli_plan_every_manifest(path, no_checkpoints, capsys):
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    manifest = load_manifest(path)
+    assert f"application {manifest.name}: model {manifest.model.name}" in out
+    for pool in manifest.pools:
+        assert sum(line.startswith(pool.name) for line in out.splitlines()) == pool.replicas
+    assert not no_checkpoints.exists()  # plan never builds a checkpoint
+
+
+def test_cli_plan_defaults_to_the_local_manifest(no_checkpoints, capsys):
+    assert main(["plan"]) == 0
+    assert "application moe-local: model tiny-qwen3-moe" in capsys.readouterr().out
+
+
+def test_cli_plan_reads_facts_of_a_built_checkpoint(no_checkpoints, capsys):
+    ckpt = no_checkpoints / "tiny-qwen3-moe"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}))
+    assert main(["plan", str(LOCAL)]) == 0
+    # 1 GiB CPU KV cache / 1024 bytes per token
+    assert "1,048,576 tokens" in capsys.readouterr().out
+
+
+def test_cli_plan_broken_manifest_exits_2_with_the_issue(tmp_path, capsys):
+    data = yaml.safe_load(LOCAL.read_text())
+    data["pools"][0]["replica"] = 2
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: invalid manifest {path}")
+    assert "pools[0].replica: unknown field (got 2)" in captured.err
+    assert "replicas" in captured.err.split("Fix:")[1]
+
+
+def test_cli_plan_missing_file_exits_2(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
