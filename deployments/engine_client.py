@@ -23,6 +23,9 @@ class HandleEngineClient:
             async for item in response:
                 yield item
             done = True
+        except Exception as exc:  # replica died, unreachable or unhealthy: the client may retry
+            done = True
+            yield EngineFailure(f"engine replica failed: {type(exc).__name__}: {str(exc)[:300]}", retriable=True)
         finally:
             if not done:
                 response.cancel()

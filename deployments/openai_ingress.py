@@ -162,12 +162,15 @@ class OpenAIIngress:
         text: list[str] = []
         token_ids: list[int] = []
         finish_reason = None
-        async for item in stream:
-            if isinstance(item, EngineFailure):
-                raise server_error(item.message, retriable=item.retriable)
-            text.append(item.text)
-            token_ids.extend(item.token_ids)
-            finish_reason = item.finish_reason or finish_reason
+        try:
+            async for item in stream:
+                if isinstance(item, EngineFailure):
+                    raise server_error(item.message, retriable=item.retriable)
+                text.append(item.text)
+                token_ids.extend(item.token_ids)
+                finish_reason = item.finish_reason or finish_reason
+        finally:
+            await stream.aclose()  # also on cancellation: aborts the request in the engine
         return JSONResponse(out.full_response(ctx, "".join(text), token_ids, finish_reason),
                             headers={"X-Request-Id": ctx.request_id})
 

@@ -1,0 +1,1 @@
+"""Next milestone (see README)."""
