@@ -63,6 +63,7 @@ def _median_summary(summaries: list[Summary]) -> dict:
         "goodput_rps": lambda s: s.goodput_rps,
         "ttft_p50_ms": lambda s: s.ttft.p50_ms, "ttft_p99_ms": lambda s: s.ttft.p99_ms,
         "itl_p50_ms": lambda s: s.itl.p50_ms, "itl_p99_ms": lambda s: s.itl.p99_ms,
+        "tpot_p50_ms": lambda s: s.tpot.p50_ms, "tpot_p99_ms": lambda s: s.tpot.p99_ms,
         "e2e_p50_ms": lambda s: s.e2e.p50_ms, "e2e_p99_ms": lambda s: s.e2e.p99_ms,
         "failed": lambda s: s.num_failed,
     }

@@ -41,6 +41,8 @@ def ray_environment() -> dict[str, str]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         # `ray job submit -- moe-serve ...` runs on the head with this PATH: make our CLI findable.
         "PATH": path if path.startswith(venv_bin) else f"{venv_bin}:{path}",
+        # vLLM picks the machine's interface for its engine sockets; keep them on loopback too.
+        "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", LOOPBACK),
         # The engine's worker processes are spawned; keep CPU engines from pinning cores.
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
     }

@@ -77,6 +77,10 @@ class EngineSpec(_Strict):
     """Ranks per replica for tensor parallelism."""
     block_size: Annotated[int | None, Field(ge=1, le=1024)] = None
     """KV cache block size in tokens (vLLM's default when unset)."""
+    stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
+    """Deltas of one request arriving within this window are sent between replicas as one
+    (the first token is never delayed). Cuts per-token overhead at high concurrency; 0 sends
+    every engine step's delta on its own."""
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Further vLLM AsyncEngineArgs fields, passed through verbatim (checked against vLLM's
     fields when the engine starts)."""

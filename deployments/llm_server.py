@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, ServerStats, TokenDelta
+from deployments.stream_coalescer import coalesce
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class LLMServer:
         self._engine = engine_factory(model, engine, model_path)
         self._stats = ServerStats(replica_id=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
         self._in_flight: set[str] = set()
+        self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
         """Stream deltas; if the caller goes away (cancel/close) the engine request is aborted."""
@@ -34,7 +36,9 @@ class LLMServer:
         self._in_flight.add(request.request_id)
         finished = False
         try:
-            async for delta in self._engine.generate(request):
+            deltas = coalesce(self._engine.generate(request), self._stream_interval_s,
+                              merge=TokenDelta.then, is_final=lambda d: d.finish_reason is not None)
+            async for delta in deltas:
                 finished = delta.finish_reason is not None
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):

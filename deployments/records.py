@@ -44,6 +44,11 @@ class TokenDelta:
     prompt_tokens: int
     completion_tokens: int  # cumulative
 
+    def then(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta followed by a later one of the same request, as one delta."""
+        return TokenDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
+                          later.prompt_tokens, later.completion_tokens)
+
 
 @dataclass(frozen=True)
 class EngineFailure:

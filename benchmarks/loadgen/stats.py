@@ -99,7 +99,8 @@ class Summary:
     total_prompt_tokens: int
     total_output_tokens: int
     ttft: Percentiles
-    itl: Percentiles
+    itl: Percentiles  # gaps between chunk arrivals (a chunk may carry several tokens)
+    tpot: Percentiles  # per request: decode time / (output tokens - 1), i.e. time per output token
     e2e: Percentiles
     errors: dict[str, int]  # error message -> count, for a quick look at failures
 
@@ -157,6 +158,7 @@ def summarize(
         total_output_tokens=total_output,
         ttft=Percentiles.of([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         itl=Percentiles.of([gap for r in ok for gap in r.itl_gaps_ms]),
+        tpot=Percentiles.of([r.mean_itl_ms for r in ok if r.mean_itl_ms is not None]),
         e2e=Percentiles.of([r.e2e_ms for r in ok]),
         errors=errors,
     )
@@ -179,7 +181,7 @@ _TABLE_ROWS: list[tuple[str, Any]] = [
     ("SLO TTFT / ITL (ms)", lambda s: f"{_fmt(s.slo_ttft_ms, 0)} / {_fmt(s.slo_itl_ms, 0)}"),
 ] + [
     (f"{name} {stat} (ms)", lambda s, a=attr, f=stat: _fmt(getattr(getattr(s, a), f"{f}_ms")))
-    for name, attr in (("TTFT", "ttft"), ("ITL", "itl"), ("E2E", "e2e"))
+    for name, attr in (("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2E", "e2e"))
     for stat in ("p50", "p90", "p99")
 ]
 
