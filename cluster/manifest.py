@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -128,6 +128,9 @@ class HTTPSpec(_Strict):
     """Route prefix of the OpenAI application."""
     max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20
     """Largest accepted request body; larger bodies get HTTP 413."""
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
+    """Where Serve runs HTTP proxies: EveryNode (behind a load balancer) or HeadOnly (one entry
+    point; saves a proxy per node on small machines)."""
     ingress_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
     """Replicas of the OpenAI ingress (tokenization and validation)."""
 

@@ -46,7 +46,8 @@ def deploy(manifest: Manifest, progress=print) -> DeployResult:
     started = time.monotonic()
     model_path = str(resolve_model_path(manifest.model.path))
     progress(f"checkpoint {model_path}")
-    serve.start(http_options={"host": manifest.http.host, "port": manifest.http.port})
+    serve.start(http_options={"host": manifest.http.host, "port": manifest.http.port},
+                proxy_location=manifest.http.proxy_location)
     progress(f"deploying application '{manifest.name}': "
              + ", ".join(f"{p.name} x{p.replicas} ({p.role.value})" for p in manifest.pools)
              + " (vLLM engines take ~30-60 s to start on CPU)")

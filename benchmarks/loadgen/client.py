@@ -88,10 +88,13 @@ def chunk_usage(chunk: dict[str, Any]) -> StreamUsage | None:
 class HttpBackend:
     """OpenAI-compatible streaming `/v1/completions` over one shared httpx client."""
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str, *, token_ids: bool = True) -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
+        # Ask for token ids (a vLLM and moe-serve extension): byte-level tokens that end
+        # mid-character stream as empty text, so counting text chunks would undercount.
+        self._token_ids = token_ids
 
     def payload(self, request: TraceRequest) -> dict[str, Any]:
         return {
@@ -103,6 +106,7 @@ class HttpBackend:
             # Fixed output lengths: the trace decides how long each answer is.
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
+            **({"return_token_ids": True} if self._token_ids else {}),
         }
 
     async def stream(self, request: TraceRequest) -> AsyncIterator[int | StreamUsage]:
