@@ -135,6 +135,21 @@ class HTTPSpec(_Strict):
     """Replicas of the OpenAI ingress (tokenization and validation)."""
 
 
+class KVTransferSpec(_Strict):
+    """How decode pulls KV cache from prefill (disaggregated manifests)."""
+
+    backend: Literal["tcp"] = "tcp"
+    """Transport: tcp (dependency-free, our binary protocol)."""
+    lease_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    """Prefill holds a finished prompt's blocks at most this long for decode to pull them."""
+    transfer_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    """A pull slower than this counts as failed; failure_policy then decides."""
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    """On a failed pull: recompute the prompt on decode (same output, slower), or fail the request."""
+    allow_fault_injection: bool = False
+    """Honour the X-Moe-Serve-Inject-KV-Failure: 1 request header (tests only)."""
+
+
 class LocalNodeSpec(_Strict):
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")]
     """Node name, for humans and plan output."""
@@ -162,6 +177,7 @@ class Manifest(_Strict):
     """Engine pools, each with name, role, replicas, placement and engine settings."""
     slo: SLOSpec = Field(default_factory=SLOSpec)
     http: HTTPSpec = Field(default_factory=HTTPSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     local_cluster: LocalClusterSpec | None = None
 
     @model_validator(mode="after")
@@ -172,12 +188,18 @@ class Manifest(_Strict):
             if names.index(name) != index:
                 problems.append(ManifestIssue(
                     f"pools[{index}].name", name, "duplicate pool name", "give every pool its own name"))
-        roles = {pool.role for pool in self.pools}
-        if PoolRole.prefill in roles or PoolRole.decode in roles:
+        roles = sorted(pool.role.value for pool in self.pools)
+        if roles not in (["colocated"], ["decode", "prefill"]):
             problems.append(ManifestIssue(
-                "pools[].role", sorted(r.value for r in roles),
-                "prefill/decode pools are not supported by this release",
-                "use role: colocated"))
+                "pools[].role", roles, "unsupported pool layout",
+                "declare one colocated pool, or one prefill pool and one decode pool"))
+        elif self.disaggregated:
+            prefill, decode = self.pool_with_role(PoolRole.prefill), self.pool_with_role(PoolRole.decode)
+            if prefill.engine.block_size != decode.engine.block_size:
+                problems.append(ManifestIssue(
+                    "pools[].engine.block_size", [prefill.engine.block_size, decode.engine.block_size],
+                    "prefill and decode must use one KV block size (blocks are copied as they are)",
+                    "set the same engine.block_size on both pools"))
         for index, pool in enumerate(self.pools):
             if self.accelerator is Accelerator.gpu and pool.placement.num_gpus < pool.engine.tensor_parallel_size:
                 problems.append(ManifestIssue(
@@ -203,6 +225,13 @@ class Manifest(_Strict):
         if problems:
             raise _ConsistencyError(problems)
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(pool.role is PoolRole.prefill for pool in self.pools)
+
+    def pool_with_role(self, role: PoolRole) -> PoolSpec:
+        return next(pool for pool in self.pools if pool.role is role)
 
     def pool(self, name: str) -> PoolSpec:
         for pool in self.pools:

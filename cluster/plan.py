@@ -54,6 +54,7 @@ class Plan:
     node_cpu_reserved: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     model_facts: ModelFacts | None = None
+    kv_transfer: str | None = None  # one line describing the transfer path, when disaggregated
 
 
 def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
@@ -84,7 +85,12 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
                 f"node {node.name} reserves {reserved[node.name]:g} CPUs but advertises {node.num_cpus}: "
                 "some replicas will stay pending; raise num_cpus or spread the pool")
     url = f"http://{manifest.http.host}:{manifest.http.port}{manifest.http.route_prefix.rstrip('/')}"
-    return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts)
+    kv = None
+    if manifest.disaggregated:
+        t = manifest.kv_transfer
+        kv = (f"decode pulls prompt KV from prefill over {t.backend}; lease {t.lease_s:g}s, "
+              f"timeout {t.transfer_timeout_s:g}s, on failure: {t.failure_policy}")
+    return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv)
 
 
 def _selector(pool: PoolSpec) -> str:
@@ -111,6 +117,8 @@ def render_plan(plan: Plan) -> str:
     else:
         lines.append("checkpoint   not readable here (sizes unknown)")
     lines.append(f"ingress      on {plan.ingress_node}")
+    if plan.kv_transfer:
+        lines.append(f"kv transfer  {plan.kv_transfer}")
     lines.append("")
     lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'node':<34}{'cpus':>6}{'gpus':>6}  kv cache")
     for pool in plan.pools:

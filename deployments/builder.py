@@ -42,15 +42,9 @@ def engine_actor_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
     return options
 
 
-def build_app(manifest: Manifest, model_path: str) -> Application:
-    model = manifest.model.model_dump()
-    http = manifest.http.model_dump()
-    pools = [p for p in manifest.pools if p.role is PoolRole.colocated]
-    if len(pools) != 1:
-        raise ValueError("this release serves exactly one colocated pool")
-    pool = pools[0]
-
-    engine = serve.deployment(LLMServer).options(
+def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str):
+    kv_transfer = manifest.kv_transfer.model_dump() if manifest.disaggregated else None
+    return serve.deployment(LLMServer).options(
         name=pool.name,
         num_replicas=pool.replicas,
         ray_actor_options=engine_actor_options(manifest, pool),
@@ -59,7 +53,19 @@ def build_app(manifest: Manifest, model_path: str) -> Application:
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
-    ).bind(model, pool.engine.model_dump(), model_path)
+    ).bind(model, pool.engine.model_dump(), model_path, kv_transfer)
+
+
+def build_app(manifest: Manifest, model_path: str) -> Application:
+    """colocated: ingress -> engine pool; disaggregated: ingress -> prefill pool, then decode pool."""
+    model = manifest.model.model_dump()
+    http = manifest.http.model_dump()
+    if manifest.disaggregated:
+        engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.decode), model, model_path)
+        prefill = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.prefill), model, model_path)
+    else:
+        engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.colocated), model, model_path)
+        prefill = None
 
     ingress_options: dict[str, Any] = {"num_cpus": INGRESS_NUM_CPUS}
     if manifest.local_cluster and manifest.local_cluster.nodes[0].labels:
@@ -69,4 +75,5 @@ def build_app(manifest: Manifest, model_path: str) -> Application:
         num_replicas=manifest.http.ingress_replicas,
         ray_actor_options=ingress_options,
         max_ongoing_requests=1024,
-    ).bind(engine, model, http, model_path)
+    ).bind(engine, model, http, model_path, prefill=prefill,
+           allow_fault_injection=manifest.kv_transfer.allow_fault_injection)

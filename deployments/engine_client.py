@@ -16,7 +16,7 @@ class HandleEngineClient:
     def __init__(self, handle: Any):
         self._handle = handle
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
+    async def stream(self, request: EngineRequest, **_options: Any) -> AsyncIterator[TokenDelta | EngineFailure]:
         response = self._handle.options(stream=True).generate.remote(request)
         done = False
         try:

@@ -9,24 +9,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from deployments.records import EngineFailure, EngineRequest, ServerStats, TokenDelta
+from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
 from deployments.stream_coalescer import coalesce
 
 logger = logging.getLogger(__name__)
 
 
 class LLMServer:
-    def __init__(self, model: dict, engine: dict, model_path: str, engine_factory: Callable[..., Any] | None = None):
+    """`kv_transfer` (disaggregated pools only): the manifest's kv_transfer section as a dict;
+    the replica completes it with the address its engine's connector serves blocks on."""
+
+    def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None = None,
+                 engine_factory: Callable[..., Any] | None = None):
         if engine_factory is None:
             from deployments.vllm_engine import VLLMEngine
 
             engine_factory = VLLMEngine.start
-        self._engine = engine_factory(model, engine, model_path)
         self._stats = ServerStats(replica_id=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
+        self._kv = connector_settings(kv_transfer, self._stats.replica_id) if kv_transfer else None
+        self._kv_client = None
+        if self._kv is not None:
+            from kv_transfer.transport import get_backend
+
+            self._kv_client = get_backend(self._kv["backend"]).client_cls()
+            self._engine = engine_factory(model, engine, model_path, kv_connector=self._kv)
+        else:
+            self._engine = engine_factory(model, engine, model_path)
         self._in_flight: set[str] = set()
         self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
 
@@ -40,6 +54,10 @@ class LLMServer:
                               merge=TokenDelta.then, is_final=lambda d: d.finish_reason is not None)
             async for delta in deltas:
                 finished = delta.finish_reason is not None
+                if delta.finish_reason == "error":  # e.g. KV pull failed under policy "fail"
+                    self._stats.failed_total += 1
+                    yield EngineFailure("the engine failed the request (KV transfer failed?)", retriable=True)
+                    break
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             raise
@@ -57,9 +75,33 @@ class LLMServer:
                 self._stats.aborted_total += 1
                 await asyncio.shield(self._engine.abort(request.request_id))
 
+    async def prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
+        """Run the prompt only (one token) and keep its KV blocks for a decode replica to pull."""
+        from kv_transfer.params import prefill_request_params
+
+        started = time.monotonic()
+        prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
+                                        SamplingSpec(max_tokens=1, temperature=0.0), prefill_request_params())
+        final = None
+        async for item in self.generate(prefill_request):
+            if isinstance(item, EngineFailure):
+                return item
+            final = item
+        if final is None or not final.kv_transfer_params:
+            return EngineFailure("prefill finished without KV transfer parameters", retriable=True)
+        return PrefillResult(final.kv_transfer_params, final.prompt_tokens, time.monotonic() - started)
+
+    async def release(self, transfer_params: dict) -> None:
+        """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""
+        await asyncio.to_thread(self._kv_client.release, transfer_params["remote_host"],
+                                transfer_params["remote_port"], transfer_params["remote_request_id"], 5.0)
+
     async def stats(self) -> ServerStats:
         self._stats.in_flight_request_ids = sorted(self._in_flight)
         self._stats.engine_unfinished_requests = self._engine.unfinished_requests()
+        if self._kv_client is not None:
+            self._stats.kv_transfer = await asyncio.to_thread(
+                self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
         return self._stats
 
     async def check_health(self) -> None:
@@ -73,3 +115,23 @@ class LLMServer:
                 engine.shutdown()
             except Exception:  # interpreter shutdown: nothing useful left to do
                 pass
+
+
+def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
+    """The manifest's kv_transfer section plus this replica's serving address."""
+    host = kv_transfer.get("host") or _node_ip()
+    with socket.socket() as probe:  # a free port now; the engine's worker binds it moments later
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
+            "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
+            "failure_policy": kv_transfer["failure_policy"]}
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray (tests constructing the server directly)
+        return "127.0.0.1"

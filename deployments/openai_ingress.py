@@ -28,11 +28,18 @@ HEALTH_TIMEOUT_S = 10.0
 
 
 class OpenAIIngress:
-    def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None):
+    def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
+                 prefill: Any = None, allow_fault_injection: bool = False):
+        """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated."""
         from deployments.engine_client import as_engine_client
         from deployments.tokenizer import PromptTokenizer
 
-        self._engine = as_engine_client(engine)
+        if prefill is not None:
+            from deployments.disagg_client import DisaggregatedEngineClient
+
+            self._engine = DisaggregatedEngineClient(prefill, engine, allow_fault_injection=allow_fault_injection)
+        else:
+            self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]
         self._max_model_len: int = model["max_model_len"]
         self._max_request_bytes: int = http["max_request_bytes"]
@@ -89,14 +96,16 @@ class OpenAIIngress:
                 raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self._tokenizer.vocab_size})", param="prompt")
             prompt_ids = list(body.prompt)
-        return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl")
+        return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl",
+                                    options=_test_options(request))
 
     async def _chat_completions(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await self._json_body(request))
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = self._tokenizer.encode_chat(messages)
-        return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl")
+        return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl",
+                                    options=_test_options(request))
 
     # -- shared path --------------------------------------------------------------------------
 
@@ -134,7 +143,7 @@ class OpenAIIngress:
         return max_tokens
 
     async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
-                        prefix: str) -> Response:
+                        prefix: str, options: dict | None = None) -> Response:
         sampling = SamplingSpec(
             max_tokens=self._budget(len(prompt_ids), max_tokens),
             temperature=float(body.temperature), top_p=float(body.top_p), top_k=max(body.top_k, 0),
@@ -148,7 +157,7 @@ class OpenAIIngress:
             return_token_ids=body.return_token_ids,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
-        stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling))
+        stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling), **(options or {}))
         if body.stream:
             first = await _first_item(stream)
             if isinstance(first, EngineFailure):
@@ -197,6 +206,14 @@ class OpenAIIngress:
             yield out.SSE_DONE
         finally:
             await stream.aclose()  # on client disconnect this cancels the engine request
+
+
+INJECT_KV_FAILURE_HEADER = "x-moe-serve-inject-kv-failure"
+
+
+def _test_options(request: Request) -> dict:
+    """Fault injection for tests: honoured only where the manifest allows it (disaggregated)."""
+    return {"inject_transfer_failure": True} if request.headers.get(INJECT_KV_FAILURE_HEADER) == "1" else {}
 
 
 async def _first_item(stream: AsyncIterator) -> Any:

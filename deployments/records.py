@@ -32,6 +32,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    kv_transfer_params: dict | None = None  # decode: where to pull the prompt's KV (TransferParams)
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,21 @@ class TokenDelta:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     prompt_tokens: int
     completion_tokens: int  # cumulative
+    kv_transfer_params: dict | None = None  # prefill: set on the final delta (TransferParams)
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by a later one of the same request, as one delta."""
         return TokenDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
-                          later.prompt_tokens, later.completion_tokens)
+                          later.prompt_tokens, later.completion_tokens, later.kv_transfer_params)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished prefill: its KV blocks are leased on the prefill replica until decode pulls."""
+
+    transfer_params: dict  # kv_transfer.params.TransferParams.to_engine()
+    prompt_tokens: int
+    prefill_s: float
 
 
 @dataclass(frozen=True)
@@ -69,3 +80,4 @@ class ServerStats:
     failed_total: int = 0
     in_flight_request_ids: list[str] = field(default_factory=list)
     engine_unfinished_requests: int = 0  # requests the vLLM engine itself still tracks
+    kv_transfer: dict = field(default_factory=dict)  # the connector's counters (disaggregated pools)

@@ -35,7 +35,19 @@ def engine_args_dict(model: dict, engine: dict, model_path: str) -> dict[str, An
     return args
 
 
-def to_sampling_params(spec: SamplingSpec):
+def kv_transfer_config(connector_settings: dict, failure_policy: str):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="MoeServeConnector",
+        kv_connector_module_path="kv_transfer.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy=failure_policy,
+        kv_connector_extra_config=connector_settings,
+    )
+
+
+def to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -52,6 +64,7 @@ def to_sampling_params(spec: SamplingSpec):
         frequency_penalty=spec.frequency_penalty,
         repetition_penalty=spec.repetition_penalty,
         output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
 
 
@@ -63,12 +76,16 @@ class VLLMEngine:
         self.max_model_len = max_model_len
 
     @classmethod
-    def start(cls, model: dict, engine: dict, model_path: str, *, stat_loggers: list | None = None) -> "VLLMEngine":
+    def start(cls, model: dict, engine: dict, model_path: str, *, stat_loggers: list | None = None,
+              kv_connector: dict | None = None) -> "VLLMEngine":
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**engine_args_dict(model, engine, model_path))
+        fields = engine_args_dict(model, engine, model_path)
+        if kv_connector is not None:
+            fields["kv_transfer_config"] = kv_transfer_config(kv_connector, kv_connector["failure_policy"])
+        args = AsyncEngineArgs(**fields)
         llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
         return cls(llm, model["max_model_len"])
 
@@ -79,7 +96,7 @@ class VLLMEngine:
         completion_tokens = 0
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-            to_sampling_params(request.sampling),
+            to_sampling_params(request.sampling, request.kv_transfer_params),
             request.request_id,
         )
         async for output in stream:
@@ -91,6 +108,7 @@ class VLLMEngine:
                 finish_reason=completion.finish_reason if output.finished else None,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
+                kv_transfer_params=output.kv_transfer_params if output.finished else None,
             )
 
     async def abort(self, request_id: str) -> None:

@@ -1,1 +1,1 @@
-"""Next milestone (see README)."""
+"""Moving KV cache from prefill to decode: our vLLM KV connector, transports, leases."""

@@ -109,7 +109,7 @@ def engine_stats(stack):
     """Fetch ServerStats of every replica of the engine pool (through a Serve handle)."""
     from ray import serve
 
-    def fetch(pool: str = "engine"):
+    def fetch(pool: str = "decode"):
         handle = serve.get_deployment_handle(pool, app_name=stack.app_name)
         return handle.stats.remote().result(timeout_s=30)
 

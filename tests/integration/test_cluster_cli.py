@@ -18,12 +18,13 @@ def test_nodes_carry_role_labels_and_replicas_sit_on_their_nodes(stack):
     import ray
 
     nodes = {n["NodeID"]: n["Labels"].get("moe-role") for n in ray.nodes() if n["Alive"]}
-    assert sorted(nodes.values()) == ["engine", "head"]
+    assert sorted(nodes.values()) == ["decode", "head", "prefill"]
     from ray.util.state import list_actors
 
     actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
     roles = {a.class_name: nodes[a.node_id] for a in actors if a.class_name.startswith("ServeReplica:")}
-    assert roles == {"ServeReplica:moe-local:engine": "engine", "ServeReplica:moe-local:openai-ingress": "head"}
+    assert roles == {"ServeReplica:moe-local:prefill": "prefill", "ServeReplica:moe-local:decode": "decode",
+                     "ServeReplica:moe-local:openai-ingress": "head"}
 
 
 def test_status_through_ray_job_submit(stack):
@@ -34,4 +35,4 @@ def test_status_through_ray_job_submit(stack):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "application moe-local: RUNNING" in result.stdout
-    assert "engine" in result.stdout and "HEALTHY" in result.stdout
+    assert "prefill" in result.stdout and "decode" in result.stdout and "HEALTHY" in result.stdout

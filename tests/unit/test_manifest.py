@@ -11,7 +11,8 @@ from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest import Accelerator, Manifest, PoolRole, load_manifest, parse_manifest
 
 MANIFESTS = sorted((Path(__file__).resolve().parents[2] / "manifests").glob("*.yaml"))
-LOCAL = next(p for p in MANIFESTS if p.name == "local.yaml")
+LOCAL = next(p for p in MANIFESTS if p.name == "local.yaml")  # disaggregated: prefill + decode
+COLOCATED = next(p for p in MANIFESTS if p.name == "local-colocated.yaml")
 GPU = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200.yaml")
 
 
@@ -43,7 +44,7 @@ def assert_reported(error: ManifestError, issue: ManifestIssue) -> None:
 
 
 def test_manifests_folder_is_not_empty():
-    assert LOCAL in MANIFESTS and GPU in MANIFESTS
+    assert LOCAL in MANIFESTS and COLOCATED in MANIFESTS and GPU in MANIFESTS
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -56,14 +57,38 @@ def test_every_shipped_manifest_loads(path):
 
 def test_local_manifest_values():
     manifest = load_manifest(LOCAL)
+    assert manifest.name == "moe-local"
     assert manifest.accelerator is Accelerator.cpu
     assert manifest.model.path == "builtin://tiny-qwen3-moe"
-    assert [n.name for n in manifest.local_cluster.nodes] == ["head", "engine-0"]
-    pool = manifest.pool("engine")
-    assert pool.role is PoolRole.colocated
-    assert pool.placement.node_labels == {"moe-role": "engine"}
+    assert [n.name for n in manifest.local_cluster.nodes] == ["head", "prefill-0", "decode-0"]
+    assert manifest.disaggregated
+    prefill, decode = manifest.pool("prefill"), manifest.pool("decode")
+    assert (prefill.role, decode.role) == (PoolRole.prefill, PoolRole.decode)
+    assert manifest.pool_with_role(PoolRole.prefill) is prefill
+    assert manifest.pool_with_role(PoolRole.decode) is decode
+    assert prefill.placement.node_labels == {"moe-role": "prefill"}
+    assert decode.placement.node_labels == {"moe-role": "decode"}
+    # Decode must not satisfy prompts from its own prefix cache, or the transfer tests prove nothing.
+    assert prefill.engine.enable_prefix_caching and not decode.engine.enable_prefix_caching
+    assert prefill.engine.block_size == decode.engine.block_size
+    kv = manifest.kv_transfer
+    assert (kv.backend, kv.lease_s, kv.transfer_timeout_s, kv.failure_policy) == ("tcp", 10, 5, "recompute")
+    assert kv.allow_fault_injection
     with pytest.raises(KeyError):
         manifest.pool("nope")
+
+
+def test_colocated_manifest_values():
+    manifest = load_manifest(COLOCATED)
+    assert manifest.name == "moe-local-colocated"
+    assert manifest.model == load_manifest(LOCAL).model  # the same model, for a fair benchmark
+    assert [n.name for n in manifest.local_cluster.nodes] == ["head", "engine-0"]
+    assert not manifest.disaggregated
+    (pool,) = manifest.pools
+    assert (pool.name, pool.role) == ("engine", PoolRole.colocated)
+    assert pool.placement.node_labels == {"moe-role": "engine"}
+    # No kv_transfer section: the defaults apply (and are unused), fault injection stays off.
+    assert not manifest.kv_transfer.allow_fault_injection
 
 
 def test_unknown_key_is_rejected_with_the_known_ones():
@@ -102,12 +127,9 @@ def test_wrong_type_names_field_and_value():
 
 
 def test_duplicate_pool_names():
-    def add_twin(d):
-        d["pools"].append(copy.deepcopy(d["pools"][0]))
-
-    error = broken(LOCAL, add_twin)
+    error = broken(LOCAL, lambda d: d["pools"][1].update(name="prefill"))
     issue = only_issue(error)
-    assert (issue.field, issue.value) == ("pools[1].name", "engine")
+    assert (issue.field, issue.value) == ("pools[1].name", "prefill")
     assert issue.problem == "duplicate pool name"
     assert_reported(error, issue)
 
@@ -115,7 +137,7 @@ def test_duplicate_pool_names():
 def test_duplicate_local_node_names():
     issue = only_issue(broken(LOCAL, lambda d: d["local_cluster"]["nodes"].append({"name": "head"})))
     assert issue.field == "local_cluster.nodes[].name"
-    assert issue.value == ["head", "engine-0", "head"]
+    assert issue.value == ["head", "prefill-0", "decode-0", "head"]
 
 
 def test_node_labels_matching_no_local_node():
@@ -127,13 +149,14 @@ def test_node_labels_matching_no_local_node():
 
 
 def test_node_labels_must_all_match_one_node():
-    # moe-role=engine is on engine-0 and zone=a would be on head: no single node has both.
+    # moe-role=prefill is on prefill-0 and zone=a on head: each label matches a node, no node both.
     def split_labels(d):
         d["local_cluster"]["nodes"][0]["labels"]["zone"] = "a"
-        d["pools"][0]["placement"]["node_labels"] = {"moe-role": "engine", "zone": "a"}
+        d["pools"][0]["placement"]["node_labels"] = {"moe-role": "prefill", "zone": "a"}
 
     issue = only_issue(broken(LOCAL, split_labels))
     assert issue.field == "pools[0].placement.node_labels"
+    assert issue.value == {"moe-role": "prefill", "zone": "a"}
 
 
 def test_gpus_on_a_cpu_manifest():
@@ -174,12 +197,70 @@ def test_missing_nested_required_field():
     assert "builtin://" in issue.fix
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_prefill_and_decode_roles_are_rejected_for_now(role):
-    error = broken(LOCAL, lambda d: d["pools"][0].update(role=role))
+def _pool(name: str, role: str, labels: dict) -> dict:
+    return {"name": name, "role": role, "placement": {"node_labels": labels}}
+
+
+LAYOUT_FIX = "declare one colocated pool, or one prefill pool and one decode pool"
+
+
+@pytest.mark.parametrize("path, mutate, roles", [
+    pytest.param(LOCAL, lambda d: d["pools"].append(_pool("prefill-b", "prefill", {"moe-role": "prefill"})),
+                 ["decode", "prefill", "prefill"], id="two-prefill-pools"),
+    pytest.param(LOCAL, lambda d: d["pools"].pop(1), ["prefill"], id="prefill-without-decode"),
+    pytest.param(LOCAL, lambda d: d["pools"].pop(0), ["decode"], id="decode-without-prefill"),
+    pytest.param(LOCAL, lambda d: d["pools"][1].update(role="prefill"), ["prefill", "prefill"],
+                 id="two-prefill-no-decode"),
+    pytest.param(COLOCATED, lambda d: d["pools"].append(_pool("prefill", "prefill", {"moe-role": "engine"})),
+                 ["colocated", "prefill"], id="colocated-and-prefill"),
+    pytest.param(LOCAL, lambda d: d["pools"].append(_pool("engine", "colocated", {"moe-role": "head"})),
+                 ["colocated", "decode", "prefill"], id="colocated-and-prefill-and-decode"),
+    pytest.param(COLOCATED, lambda d: d["pools"].append(_pool("engine-b", "colocated", {"moe-role": "engine"})),
+                 ["colocated", "colocated"], id="two-colocated-pools"),
+])
+def test_unsupported_pool_layouts_are_rejected(path, mutate, roles):
+    error = broken(path, mutate)
     issue = only_issue(error)
-    assert (issue.field, issue.value) == ("pools[].role", [role])
-    assert issue.fix == "use role: colocated"
+    assert (issue.field, issue.value) == ("pools[].role", roles)
+    assert issue.problem == "unsupported pool layout"
+    assert issue.fix == LAYOUT_FIX
+    assert_reported(error, issue)
+
+
+def test_prefill_and_decode_must_share_one_block_size():
+    def mismatch(d):
+        d["pools"][0]["engine"]["block_size"] = 16
+        d["pools"][1]["engine"]["block_size"] = 32
+
+    error = broken(LOCAL, mismatch)
+    issue = only_issue(error)
+    assert (issue.field, issue.value) == ("pools[].engine.block_size", [16, 32])  # prefill's, then decode's
+    assert "block size" in issue.problem
+    assert "same engine.block_size" in issue.fix
+    assert_reported(error, issue)
+    assert "16" in str(error) and "32" in str(error)
+
+
+def test_block_size_set_on_one_side_only_is_a_mismatch():
+    # Unset means vLLM's default, which the manifest cannot see: only equal explicit values match.
+    issue = only_issue(broken(LOCAL, lambda d: d["pools"][1]["engine"].update(block_size=16)))
+    assert (issue.field, issue.value) == ("pools[].engine.block_size", [None, 16])
+
+
+def test_equal_block_sizes_are_accepted():
+    data = raw(LOCAL)
+    for pool in data["pools"]:
+        pool["engine"]["block_size"] = 32
+    manifest = parse_manifest(data)
+    assert {pool.engine.block_size for pool in manifest.pools} == {32}
+
+
+def test_kv_transfer_settings_are_validated():
+    error = broken(LOCAL, lambda d: d["kv_transfer"].update(failure_policy="retry", lease_s=0))
+    assert {i.field: i.value for i in error.issues} == {"kv_transfer.failure_policy": "retry",
+                                                       "kv_transfer.lease_s": 0}
+    issue = only_issue(broken(LOCAL, lambda d: d["kv_transfer"].update(backend="nixl")))
+    assert (issue.field, issue.value) == ("kv_transfer.backend", "nixl")
 
 
 def test_several_problems_are_reported_together():

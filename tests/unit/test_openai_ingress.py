@@ -8,6 +8,7 @@ exactly the code it runs under Serve, minus Ray.
 import asyncio
 import inspect
 import json
+from typing import Any
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -64,7 +65,7 @@ class FakeEngine:
     streams: list[StreamLog] = field(default_factory=list)
     health_timeouts: list[float] = field(default_factory=list)
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
+    async def stream(self, request: EngineRequest, **_options: Any) -> AsyncIterator[TokenDelta | EngineFailure]:
         log = StreamLog(request)
         self.streams.append(log)
         try:

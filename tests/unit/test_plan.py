@@ -12,16 +12,18 @@ from cluster.model_facts import read_model_facts
 from cluster.plan import INGRESS_NUM_CPUS, ModelFacts, make_plan, render_plan
 
 MANIFESTS = sorted((Path(__file__).resolve().parents[2] / "manifests").glob("*.yaml"))
-LOCAL = next(p for p in MANIFESTS if p.name == "local.yaml")
+LOCAL = next(p for p in MANIFESTS if p.name == "local.yaml")  # disaggregated: prefill + decode
+COLOCATED = next(p for p in MANIFESTS if p.name == "local-colocated.yaml")
 GPU = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200.yaml")
 
 
-def cpu_manifest(*, nodes: list[dict], pools: list[dict]):
+def cpu_manifest(*, nodes: list[dict], pools: list[dict], **extra):
     return parse_manifest({
         "name": "t",
         "model": {"name": "m", "path": "builtin://tiny-qwen3-moe"},
         "local_cluster": {"nodes": nodes},
         "pools": pools,
+        **extra,
     })
 
 
@@ -76,8 +78,20 @@ def test_ingress_cpus_count_against_the_head():
 def test_local_manifest_plan_fits():
     plan = make_plan(load_manifest(LOCAL))
     assert plan.warnings == []
-    assert [r.node for r in plan.pools[0].replicas] == ["engine-0"]
+    assert [(p.name, p.role, [r.node for r in p.replicas]) for p in plan.pools] == [
+        ("prefill", "prefill", ["prefill-0"]), ("decode", "decode", ["decode-0"])]
+    assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "prefill-0": 1, "decode-0": 1}
     assert plan.endpoint_url == "http://127.0.0.1:8000"
+    assert plan.kv_transfer == ("decode pulls prompt KV from prefill over tcp; lease 10s, "
+                                "timeout 5s, on failure: recompute")
+
+
+def test_colocated_local_manifest_plan_fits_without_a_kv_transfer_line():
+    plan = make_plan(load_manifest(COLOCATED))
+    assert plan.warnings == []
+    assert [r.node for r in plan.pools[0].replicas] == ["engine-0"]
+    assert plan.kv_transfer is None
+    assert "kv transfer" not in render_plan(plan)
 
 
 def test_gpu_manifest_without_local_cluster_shows_the_selector():
@@ -118,15 +132,47 @@ def test_kv_bytes_without_facts_leave_tokens_unknown():
 
 def test_render_plan_lists_every_pool_replica_and_node():
     manifest = cpu_manifest(nodes=THREE_NODES, pools=[
-        {"name": "alpha", "replicas": 2, "placement": {"node_labels": {"role": "engine"}}},
-        {"name": "beta", "replicas": 1, "placement": {"node_labels": {"role": "head"}}},
+        {"name": "alpha", "role": "prefill", "replicas": 2, "placement": {"node_labels": {"role": "engine"}}},
+        {"name": "beta", "role": "decode", "replicas": 1, "placement": {"node_labels": {"role": "head"}}},
     ])
     text = render_plan(make_plan(manifest))
     rows = [line.split() for line in text.splitlines() if line.startswith(("alpha", "beta"))]
-    assert [(r[0], r[2], r[3]) for r in rows] == [("alpha", "0", "e0"), ("alpha", "1", "e1"), ("beta", "0", "head")]
+    assert [tuple(r[:4]) for r in rows] == [
+        ("alpha", "prefill", "0", "e0"), ("alpha", "prefill", "1", "e1"), ("beta", "decode", "0", "head")]
     assert "application t: model m" in text
     assert "ingress      on head" in text
     assert "cpus reserved per node: head=1.25, e0=1, e1=1" in text
+
+
+FOUR_NODES = [
+    {"name": "head", "num_cpus": 2, "labels": {"moe-role": "head"}},
+    {"name": "p0", "num_cpus": 4, "labels": {"moe-role": "prefill"}},
+    {"name": "p1", "num_cpus": 4, "labels": {"moe-role": "prefill"}},
+    {"name": "d0", "num_cpus": 4, "labels": {"moe-role": "decode"}},
+]
+
+
+def test_disaggregated_plan_renders_kv_transfer_and_places_each_role_on_its_nodes():
+    manifest = cpu_manifest(
+        nodes=FOUR_NODES,
+        pools=[
+            {"name": "pre", "role": "prefill", "replicas": 3, "placement": {"node_labels": {"moe-role": "prefill"}}},
+            {"name": "dec", "role": "decode", "replicas": 2, "placement": {"node_labels": {"moe-role": "decode"}}},
+        ],
+        kv_transfer={"lease_s": 2.5, "transfer_timeout_s": 0.75, "failure_policy": "fail"},
+    )
+    plan = make_plan(manifest)
+    expected_line = "decode pulls prompt KV from prefill over tcp; lease 2.5s, timeout 0.75s, on failure: fail"
+    assert plan.kv_transfer == expected_line
+    text = render_plan(plan)
+    lines = text.splitlines()
+    # The transfer path is stated in the header, after the ingress and before the replica table.
+    assert lines.index(f"kv transfer  {expected_line}") == lines.index("ingress      on head") + 1
+    rows = [line.split()[:4] for line in lines if line.startswith(("pre ", "dec "))]
+    assert rows == [["pre", "prefill", "0", "p0"], ["pre", "prefill", "1", "p1"], ["pre", "prefill", "2", "p0"],
+                    ["dec", "decode", "0", "d0"], ["dec", "decode", "1", "d0"]]
+    assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "p0": 2, "p1": 1, "d0": 2}
+    assert plan.warnings == []
 
 
 def test_read_model_facts(tmp_path):
@@ -165,7 +211,9 @@ def test_cli_plan_every_manifest(path, no_checkpoints, capsys):
 
 def test_cli_plan_defaults_to_the_local_manifest(no_checkpoints, capsys):
     assert main(["plan"]) == 0
-    assert "application moe-local: model tiny-qwen3-moe" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "application moe-local: model tiny-qwen3-moe" in out
+    assert "kv transfer  decode pulls prompt KV from prefill over tcp" in out  # the default is disaggregated
 
 
 def test_cli_plan_reads_facts_of_a_built_checkpoint(no_checkpoints, capsys):

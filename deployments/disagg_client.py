@@ -1,0 +1,64 @@
+"""The disaggregated request path, seen by the ingress as one stream.
+
+prefill replica: run the prompt, keep the KV blocks, return TransferParams
+decode replica:  admit the request with them, pull the blocks, decode, stream tokens
+
+Serve's router picks each replica (power of two choices on queue length). If the caller goes
+away between prefill and decode admission, the prefill's lease is released explicitly; the
+lease deadline is the backstop if even that fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from deployments.engine_client import HandleEngineClient
+from deployments.records import EngineFailure, EngineRequest, PrefillResult, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+class DisaggregatedEngineClient:
+    def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False):
+        self._prefill = prefill_handle
+        self._decode = HandleEngineClient(decode_handle)
+        self._allow_fault_injection = allow_fault_injection
+
+    async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False
+                     ) -> AsyncIterator[TokenDelta | EngineFailure]:
+        try:
+            prefill = await self._prefill.prefill.remote(request)
+        except Exception as exc:  # replica died or unreachable
+            yield EngineFailure(f"prefill replica failed: {type(exc).__name__}: {str(exc)[:300]}", retriable=True)
+            return
+        if isinstance(prefill, EngineFailure):
+            yield prefill
+            return
+        assert isinstance(prefill, PrefillResult)
+        params = dict(prefill.transfer_params)
+        if inject_transfer_failure and self._allow_fault_injection:
+            params["inject_failure"] = True
+        admitted = False
+        try:
+            async for item in self._decode.stream(replace(request, kv_transfer_params=params)):
+                admitted = True
+                yield item
+        finally:
+            if not admitted:
+                # Decode never produced anything: it may never have pulled. Releasing twice is
+                # harmless (the prefill side ignores unknown leases), leaking blocks is not.
+                asyncio.ensure_future(self._release(params))
+
+    async def _release(self, params: dict) -> None:
+        try:
+            await self._prefill.release.remote(params)
+        except Exception as exc:
+            logger.warning("could not release prefill lease %s: %s", params.get("remote_request_id"), exc)
+
+    async def health(self, timeout_s: float) -> None:
+        await asyncio.wait_for(self._prefill.check_health.remote(), timeout_s)
+        await self._decode.health(timeout_s)

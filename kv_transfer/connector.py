@@ -1,0 +1,101 @@
+"""MoeServeConnector: our vLLM v1 KV connector for prefill/decode disaggregation (pull-based).
+
+Loaded by module path (`KVTransferConfig(kv_connector="MoeServeConnector",
+kv_connector_module_path="kv_transfer.connector", kv_role="kv_both")`). vLLM builds one
+instance per role: SCHEDULER in the engine-core process (SchedulerSide decides what to keep,
+pull and release) and WORKER in the worker process (WorkerSide moves the bytes). The
+scheduler's StepPlan reaches the worker as this step's connector metadata.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kv_transfer.connector_scheduler import SchedulerSide, StepPlan
+from kv_transfer.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class MoeServeConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+
+
+class MoeServeConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._settings = ConnectorSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._settings, vllm_config.cache_config.block_size)
+        else:
+            from kv_transfer.connector_worker import WorkerSide
+
+            self._worker = WorkerSide(self._settings)
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._scheduler.after_alloc(request, local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return MoeServeConnectorMetadata(self._scheduler.take_plan())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        normally = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        return self._scheduler.finished(request, list(block_ids), normally)
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        from kv_transfer.kv_pages import KVPages
+
+        self._worker.register(KVPages(kv_caches))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, MoeServeConnectorMetadata):
+            self._worker.apply(metadata.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # pulls complete before the request is scheduled (asynchronous load)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        return  # pull-based: prefill keeps its blocks in place; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

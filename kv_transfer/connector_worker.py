@@ -1,0 +1,165 @@
+"""Worker side of our connector (runs in the vLLM worker process, which owns the KV tensors).
+
+Every engine serves its blocks (prefill role) and pulls blocks (decode role):
+- serve: a transport server hands out pages of leased blocks; a RELEASE from decode, or the
+  lease's deadline, frees them (reported to vLLM as finished_sending);
+- pull: each PullJob runs on a small thread pool so engine steps never wait on the network;
+  success or failure is reported to vLLM on its next step (finished_recving / failed_recving).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kv_transfer.connector_scheduler import LeaseGrant, PullJob, StepPlan
+from kv_transfer.counters import TransferCounters
+from kv_transfer.errors import KVTransferError
+from kv_transfer.leases import LeaseTable
+from kv_transfer.settings import ConnectorSettings
+from kv_transfer.transport import get_backend
+
+logger = logging.getLogger(__name__)
+
+_REMEMBER_DONE = 10_000  # ids of released/expired leases kept to recognise duplicate releases
+
+
+class InjectedFailure(KVTransferError):
+    """A failure requested by the test hook in TransferParams (inject_failure)."""
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings):
+        self._settings = settings
+        self._backend = get_backend(settings.backend)
+        self._leases = LeaseTable()
+        self._counters = TransferCounters()
+        self._lock = threading.Lock()
+        # RELEASE can arrive before this worker hears of the lease (decode is fast; the grant
+        # comes with the prefill engine's next step), or twice; remember both kinds briefly.
+        self._released_early: dict[str, float] = {}
+        self._recently_done: OrderedDict[str, None] = OrderedDict()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._pulls = ThreadPoolExecutor(settings.max_concurrent_pulls, thread_name_prefix="kv-pull")
+        self._client = self._backend.client_cls()
+        self._server = None
+        self._pages = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def register(self, pages) -> None:
+        self._pages = pages
+        self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
+                                            on_release=self._on_release, on_stats=self.stats)
+        self._server.start()
+        logger.info("kv transfer: serving %d layers x %d blocks (%d B pages) on %s:%s via %s",
+                    pages.num_layers, pages.num_blocks, pages.page_bytes, self._settings.host,
+                    self._settings.port, self._settings.backend)
+
+    # -- per step ---------------------------------------------------------------------------------
+
+    def apply(self, plan: StepPlan) -> None:
+        now_s = time.monotonic()
+        for grant in plan.grants:
+            self._grant(grant, now_s)
+        for job in plan.pulls:
+            self._counters.pull_started(len(job.local_block_ids))
+            self._pulls.submit(self._pull, job)
+        for params in plan.releases:
+            self._pulls.submit(self._release_remote, params.remote_host, params.remote_port,
+                               params.remote_request_id)
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        now_s = time.monotonic()
+        with self._lock:  # early releases whose grant never came (request was not leased)
+            for request_id, at_s in list(self._released_early.items()):
+                if now_s - at_s > 2 * self._settings.lease_s:
+                    del self._released_early[request_id]
+        for lease in self._leases.expire(now_s):
+            self._counters.lease_expired()
+            logger.warning("kv transfer: lease of %s expired unreleased; freeing %d blocks",
+                           lease.request_id, len(lease.block_ids))
+            with self._lock:
+                self._finished_sending.add(lease.request_id)
+                self._remember_done(lease.request_id)
+        with self._lock:
+            out = (self._finished_sending, self._finished_recving, self._failed_recving)
+            self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {**self._counters.snapshot(), "leases_outstanding": self._leases.outstanding(),
+                "leased_blocks": self._leases.outstanding_blocks()}
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._pulls.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _grant(self, grant: LeaseGrant, now_s: float) -> None:
+        self._counters.lease_granted(len(grant.block_ids))
+        with self._lock:
+            early = self._released_early.pop(grant.request_id, None) is not None
+            if early:  # decode already pulled and released: free at once
+                self._finished_sending.add(grant.request_id)
+                self._remember_done(grant.request_id)
+        if early:
+            self._counters.lease_released()
+        else:
+            self._leases.grant(grant.request_id, grant.block_ids, now_s, grant.lease_s)
+
+    def _on_release(self, request_id: str) -> None:
+        """Transport server thread: decode is done with (or gave up on) these blocks."""
+        lease = self._leases.release(request_id)
+        with self._lock:
+            if lease is not None:
+                self._finished_sending.add(request_id)
+                self._remember_done(request_id)
+            elif request_id not in self._recently_done:
+                self._released_early[request_id] = time.monotonic()
+        if lease is not None:
+            self._counters.lease_released()
+
+    def _remember_done(self, request_id: str) -> None:
+        self._recently_done[request_id] = None
+        while len(self._recently_done) > _REMEMBER_DONE:
+            self._recently_done.popitem(last=False)
+
+    def _pull(self, job: PullJob) -> None:
+        params = job.params
+        started = time.monotonic()
+        try:
+            if params.inject_failure:
+                raise InjectedFailure("injected transfer failure (test hook)")
+            dest = self._pages.pages(list(job.local_block_ids))
+            result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
+                                        list(job.remote_block_ids), dest, self._settings.transfer_timeout_s)
+            self._counters.pull_succeeded(len(job.local_block_ids), result.bytes, time.monotonic() - started)
+            failed = False
+        except Exception as exc:  # network, timeout, remote error, injected: the policy decides
+            failed = True
+            self._counters.pull_failed(fallback=self._settings.failure_policy == "recompute")
+            logger.warning("kv transfer: pull for %s failed (%s: %s); policy %s", job.request_id,
+                           type(exc).__name__, exc, self._settings.failure_policy)
+        with self._lock:
+            self._finished_recving.add(job.request_id)
+            if failed:
+                self._failed_recving.add(job.request_id)
+        self._release_remote(params.remote_host, params.remote_port, params.remote_request_id)
+
+    def _release_remote(self, host: str, port: int, request_id: str) -> None:
+        try:
+            self._client.release(host, port, request_id, self._settings.transfer_timeout_s)
+        except Exception as exc:  # the prefill side's lease expiry frees the blocks anyway
+            self._counters.release_failed()
+            logger.warning("kv transfer: release of %s on %s:%s failed: %s", request_id, host, port, exc)

@@ -1,0 +1,49 @@
+"""Typed transfer parameters: what prefill hands to decode, and what each engine is asked.
+
+They travel inside vLLM's `kv_transfer_params` dict (msgpack between engine processes, so
+plain JSON-like values only); these records are the one place that knows the keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PRODUCE_KEY = "do_remote_decode"  # prefill: keep the blocks and return TransferParams
+CONSUME_KEY = "do_remote_prefill"  # decode: pull the blocks named by the params
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """Where a finished prefill's KV blocks are, and until when they are leased."""
+
+    remote_host: str
+    remote_port: int
+    remote_engine_id: str
+    remote_request_id: str  # the prefill engine's internal id (vLLM suffixes external ids)
+    remote_block_ids: tuple[int, ...]
+    remote_num_tokens: int  # prompt tokens covered by the blocks
+    block_size_tokens: int
+    lease_deadline_unix_s: float
+    inject_failure: bool = False  # fault injection for tests (only if the manifest allows it)
+
+    def to_engine(self) -> dict[str, Any]:
+        """kv_transfer_params for the decode engine's request."""
+        data = asdict(self)
+        data["remote_block_ids"] = list(self.remote_block_ids)
+        data[CONSUME_KEY] = True
+        return data
+
+    @classmethod
+    def from_engine(cls, params: dict[str, Any]) -> "TransferParams":
+        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
+        fields["remote_block_ids"] = tuple(int(b) for b in params["remote_block_ids"])
+        return cls(**fields)
+
+    def with_failure_injected(self) -> "TransferParams":
+        return TransferParams(**{**asdict(self), "inject_failure": True})
+
+
+def prefill_request_params() -> dict[str, Any]:
+    """kv_transfer_params for a prefill engine's request: compute the prompt, keep the blocks."""
+    return {PRODUCE_KEY: True}

@@ -1,0 +1,32 @@
+"""Connector settings, passed to both connector roles through kv_connector_extra_config."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    backend: str = "tcp"  # transport backend name (kv_transfer.transport registry)
+    host: str = "127.0.0.1"  # where this engine's worker serves its blocks
+    port: int = 0  # fixed by the engine server before the engine starts (both roles must agree)
+    engine_id: str = ""
+    lease_s: float = 10.0  # prefill keeps blocks at most this long for a decode that never pulls
+    transfer_timeout_s: float = 5.0  # a pull slower than this fails (then the failure policy applies)
+    failure_policy: str = "recompute"  # recompute | fail (mirrors vLLM's kv_load_failure_policy)
+    max_concurrent_pulls: int = 4
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        unknown = set(extra) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown kv connector settings {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        settings = cls(**extra)
+        if settings.failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"failure_policy must be recompute or fail, got {settings.failure_policy!r}")
+        return settings

@@ -1,0 +1,121 @@
+"""Interfaces of a KV transport backend (no torch, no vLLM: pages are plain memoryviews).
+
+A page is the bytes of one (layer, block) of the KV cache; on vLLM CPU that is
+`kv_caches[layer][block]`, one contiguous tensor slice the connector hands us as a memoryview.
+Page lists are always layer-major: for each layer, for each block id in the order given.
+
+The decode worker's `TransferClient` pulls pages from the prefill worker's `TransferServer`
+straight into its own pages, then asks the server to release the request's blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol, runtime_checkable
+
+from kv_transfer.leases import LeaseTable
+
+
+@runtime_checkable
+class PageSource(Protocol):
+    """Prefill side: readable pages of blocks this worker holds."""
+
+    def pages(self, block_ids: list[int]) -> list[memoryview]:
+        """One page per (layer, block), layer-major. Raises KeyError/ValueError/IndexError
+        for blocks it cannot serve; the server turns that into an ERROR reply."""
+        ...
+
+
+@runtime_checkable
+class PageSink(Protocol):
+    """Decode side: writable pages to receive into, same order and layout as PageSource."""
+
+    def pages(self, block_ids: list[int]) -> list[memoryview]:
+        ...
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """Outcome of one successful fetch."""
+
+    bytes: int  # payload bytes received into the dest pages
+    seconds: float  # from sending the request to the last byte landing in the pages
+
+
+class TransferServer(abc.ABC):
+    """Serves pages of one prefill worker to any number of decode clients, in the background.
+
+    `on_release(request_id)` runs (on a server thread) when a client releases a request; it
+    should free the request's blocks. `on_stats()` returns a JSON-able dict. When `leases` is
+    given, a read is served only if the request holds a lease covering every block asked for,
+    so a late or stray read cannot return blocks that were freed and reused by another request.
+    """
+
+    def __init__(self, host: str, port: int, source: PageSource,
+                 on_release: Callable[[str], None], on_stats: Callable[[], dict],
+                 *, leases: LeaseTable | None = None):
+        self.host = host
+        self.port = port
+        self.source = source
+        self.on_release = on_release
+        self.on_stats = on_stats
+        self.leases = leases
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Bind and start serving; returns once `address` is valid."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop accepting, drop open connections, join the threads. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound; port 0 at construction means an ephemeral port."""
+
+
+class TransferClient(abc.ABC):
+    """Pulls pages from TransferServers. Thread-safe; reuses connections per (host, port).
+
+    Every call finishes within its `timeout_s`, raising TransferTimeout, or TransferFailed
+    when the server replied ERROR or the connection broke.
+    """
+
+    @abc.abstractmethod
+    def fetch(self, host: str, port: int, request_id: str, remote_block_ids: list[int],
+              dest_pages: list[memoryview], timeout_s: float) -> FetchResult:
+        """Receive the remote pages of `remote_block_ids` (layer-major) into `dest_pages`.
+
+        On failure the dest pages may hold part of the data; the caller must not use them.
+        """
+
+    @abc.abstractmethod
+    def release(self, host: str, port: int, request_id: str, timeout_s: float) -> None:
+        """Tell the server the request's blocks may be freed."""
+
+    @abc.abstractmethod
+    def stats(self, host: str, port: int, timeout_s: float) -> dict:
+        """The server's `on_stats()`."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close pooled connections. The client stays usable (it reconnects on demand)."""
+
+
+class TransportBackend:
+    """What the registry hands out: a backend's server and client classes, chosen by name."""
+
+    name: ClassVar[str]
+    server_cls: ClassVar[type[TransferServer]]
+    client_cls: ClassVar[type[TransferClient]]
+
+    @classmethod
+    def server(cls, host: str, port: int, source: PageSource, on_release: Callable[[str], None],
+               on_stats: Callable[[], dict], *, leases: LeaseTable | None = None) -> TransferServer:
+        return cls.server_cls(host, port, source, on_release, on_stats, leases=leases)
+
+    @classmethod
+    def client(cls) -> TransferClient:
+        return cls.client_cls()

@@ -1,0 +1,154 @@
+"""Server half of the "tcp" KV transport: one thread per connection (see `tcp` for the protocol)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+
+from kv_transfer import wire
+from kv_transfer.errors import KVTransferError, WireError
+from kv_transfer.transport.base import TransferServer
+from kv_transfer.transport.sockio import (Deadline, byte_view, read_message_start,
+                                          send_buffers, tune_socket)
+from kv_transfer.wire import MessageType
+
+log = logging.getLogger(__name__)
+
+
+class TcpTransferServer(TransferServer):
+    """`io_timeout_s` bounds each message once started (a stalled client is dropped)."""
+
+    io_timeout_s = 30.0
+
+    def __init__(self, host, port, source, on_release, on_stats, *, leases=None):
+        super().__init__(host, port, source, on_release, on_stats, leases=leases)
+        self._listener: socket.socket | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._acceptor: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("server not started")
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def start(self) -> None:
+        listener = socket.create_server((self.host, self.port), backlog=128)
+        listener.settimeout(0.2)  # accept() wakes up to notice stop()
+        self._listener = listener
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        self._acceptor.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        # Acceptor first, so no connection can arrive after we shut the open ones down.
+        if self._acceptor is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() now (Linux)
+            except OSError:
+                pass
+            self._acceptor.join()
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a recv blocked in its thread
+            except OSError:
+                pass
+        for thread in threads:
+            thread.join(timeout=2.0)
+        if self._listener is not None:
+            self._listener.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # listener closed
+            tune_socket(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                      name=f"kv-tcp-conn-{peer[0]}:{peer[1]}")
+            with self._lock:
+                self._conns.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stopping.is_set():
+                # A pooled connection may idle for long between requests: wait without a
+                # deadline for the next one to begin, then give the whole exchange io_timeout_s.
+                conn.settimeout(None)
+                if not conn.recv(1, socket.MSG_PEEK):
+                    return
+                deadline = Deadline(self.io_timeout_s)
+                try:
+                    message = read_message_start(conn, deadline, 0)  # requests carry no payload
+                except WireError as exc:
+                    # The stream is out of step with the framing; nothing after this is trustworthy.
+                    send_buffers(conn, [wire.encode_error("", f"bad message: {exc}")], deadline)
+                    return
+                if message is None:
+                    return
+                header, request_id, block_ids = message
+                if not self._dispatch(conn, header.type, request_id, list(block_ids), deadline):
+                    return
+        except (OSError, KVTransferError) as exc:
+            log.debug("KV transfer connection dropped: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _dispatch(self, conn, msg_type: MessageType, request_id: str, block_ids: list[int],
+                  deadline: Deadline) -> bool:
+        """Answer one request; False closes the connection."""
+        def error(text: str) -> bool:
+            send_buffers(conn, [wire.encode_error(request_id, text)], deadline)
+            return True
+
+        if msg_type == MessageType.READ_BLOCKS:
+            if self.leases is not None:
+                lease = self.leases.get(request_id)
+                if lease is None:
+                    return error(f"request {request_id!r} holds no KV lease here (released or expired)")
+                if not lease.covers(block_ids):
+                    missing = sorted(set(block_ids) - set(lease.block_ids))
+                    return error(f"blocks {missing} are not leased to request {request_id!r}")
+            try:
+                pages = [byte_view(p) for p in self.source.pages(block_ids)]
+            except (KeyError, ValueError, IndexError) as exc:
+                return error(f"cannot serve blocks {block_ids} of {request_id!r}: {exc!r}")
+            except Exception as exc:
+                log.exception("source.pages(%r) failed", block_ids)
+                return error(f"internal error reading blocks of {request_id!r}: {exc!r}")
+            prefix = wire.encode_data_prefix(request_id, sum(p.nbytes for p in pages))
+            send_buffers(conn, [prefix, *pages], deadline)
+            return True
+        if msg_type == MessageType.RELEASE:
+            try:
+                self.on_release(request_id)
+            except Exception as exc:  # the callback's failure is the client's answer
+                log.exception("on_release(%r) failed", request_id)
+                return error(f"release of {request_id!r} failed: {exc!r}")
+            send_buffers(conn, [wire.encode_ok(request_id)], deadline)
+            return True
+        if msg_type == MessageType.STATS:
+            try:
+                payload = json.dumps(self.on_stats()).encode("utf-8")
+            except Exception as exc:
+                log.exception("on_stats() failed")
+                return error(f"stats failed: {exc!r}")
+            send_buffers(conn, [wire.encode_ok(request_id, payload)], deadline)
+            return True
+        error(f"{msg_type.name} is a reply, not a request")
+        return False

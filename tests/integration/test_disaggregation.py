@@ -1,0 +1,129 @@
+"""Prefill/decode disaggregation on the real stack: KV crosses a node boundary through our
+connector and transport, outputs stay identical, and no block is ever leaked."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import httpx
+import pytest
+
+from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS, concurrent_prompts
+
+pytestmark = pytest.mark.integration
+
+CPU_BLOCK_SIZE_TOKENS = 128  # vLLM's KV block size on CPU when the manifest leaves it unset
+INJECT_HEADER = {"X-Moe-Serve-Inject-KV-Failure": "1"}
+
+
+def _kv(engine_stats, pool: str) -> dict:
+    return engine_stats(pool).kv_transfer
+
+
+def _wait_until_settled(engine_stats, timeout_s: float = 15.0) -> tuple[dict, dict]:
+    """Both sides idle: no lease outstanding on prefill, no pull in flight on decode."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill, decode = engine_stats("prefill"), engine_stats("decode")
+        settled = (prefill.kv_transfer["leases_outstanding"] == 0 and decode.kv_transfer["pulls_in_flight"] == 0
+                   and prefill.engine_unfinished_requests == 0 and decode.engine_unfinished_requests == 0)
+        if settled or time.monotonic() > deadline:
+            return prefill, decode
+        time.sleep(0.2)
+
+
+def _complete(stack, prompt: str, headers: dict | None = None, **extra) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/v1/completions", headers=headers or {}, timeout=120, json={
+        "model": stack.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "return_token_ids": True, **extra})
+
+
+def test_every_prompt_block_is_loaded_remotely(stack, reference_outputs, engine_stats):
+    """Decode has prefix caching off, so every block of every prompt must come over the wire:
+    a connector that silently let decode recompute would show fewer loaded blocks."""
+    _wait_until_settled(engine_stats)
+    before_p, before_d = _kv(engine_stats, "prefill"), _kv(engine_stats, "decode")
+    expected_blocks = 0
+    for name in ("short", "question", "long"):
+        body = _complete(stack, COMPLETION_PROMPTS[name]).json()
+        assert body["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"]
+        expected_blocks += math.ceil(body["usage"]["prompt_tokens"] / CPU_BLOCK_SIZE_TOKENS)
+    prefill, decode = _wait_until_settled(engine_stats)
+    p, d = prefill.kv_transfer, decode.kv_transfer
+    assert d["pulls_succeeded_total"] - before_d["pulls_succeeded_total"] == 3
+    assert d["blocks_loaded_total"] - before_d["blocks_loaded_total"] == expected_blocks
+    assert p["blocks_leased_total"] - before_p["blocks_leased_total"] == expected_blocks
+    assert d["pulls_failed_total"] == before_d["pulls_failed_total"]
+    assert d["bytes_loaded_total"] > before_d["bytes_loaded_total"]
+    assert p["leases_released_total"] - before_p["leases_released_total"] == 3
+    assert p["leases_expired_total"] == before_p["leases_expired_total"]
+
+
+def test_no_blocks_remain_leased_after_32_concurrent_streams(stack, reference_outputs, engine_stats):
+    prompts = concurrent_prompts(32)
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+            async def one(name):
+                response = await client.post(f"{stack.base_url}/v1/completions", json={
+                    "model": stack.model, "prompt": prompts[name], "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "return_token_ids": True})
+                return name, response.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(n) for n in prompts))
+
+    for name, token_ids in asyncio.run(run_all()):
+        assert token_ids == reference_outputs[name]["token_ids"], name
+    prefill, decode = _wait_until_settled(engine_stats)
+    assert prefill.kv_transfer["leases_outstanding"] == 0
+    assert prefill.kv_transfer["leased_blocks"] == 0
+    assert decode.kv_transfer["pulls_in_flight"] == 0
+    assert prefill.engine_unfinished_requests == 0 and decode.engine_unfinished_requests == 0
+
+
+def test_abort_mid_stream_frees_blocks_on_both_sides(stack, engine_stats):
+    _wait_until_settled(engine_stats)
+    before_p = _kv(engine_stats, "prefill")
+    body = {"model": stack.model, "prompt": "Tell me a very long story", "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for index, _ in enumerate(response.iter_lines()):
+            if index >= 4:
+                break
+    prefill, decode = _wait_until_settled(engine_stats)
+    assert prefill.kv_transfer["leases_outstanding"] == 0
+    assert prefill.kv_transfer["leases_expired_total"] == before_p["leases_expired_total"]
+    assert decode.engine_unfinished_requests == 0 and decode.in_flight_request_ids == []
+
+
+def test_abort_before_transfer_frees_prefill_blocks(stack, engine_stats):
+    """The client leaves while its (long) prompt is still being prefilled: whichever side the
+    request had reached, nothing stays leased and nothing waits for a lease to expire."""
+    _wait_until_settled(engine_stats)
+    before_p = _kv(engine_stats, "prefill")
+    prompt = COMPLETION_PROMPTS["long"] * 1  # ~1,000 tokens of prefill
+    for delay_s in (0.02, 0.1, 0.3):
+        try:
+            httpx.post(f"{stack.base_url}/v1/completions", timeout=delay_s, json={
+                "model": stack.model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True})
+        except httpx.TimeoutException:
+            pass  # the disconnect we wanted
+    prefill, decode = _wait_until_settled(engine_stats, timeout_s=8.0)  # < lease_s: release, not expiry
+    assert prefill.kv_transfer["leases_outstanding"] == 0
+    assert prefill.kv_transfer["leases_expired_total"] == before_p["leases_expired_total"]
+    assert decode.kv_transfer["pulls_in_flight"] == 0
+    assert prefill.engine_unfinished_requests == 0 and decode.engine_unfinished_requests == 0
+
+
+def test_injected_failure_with_recompute_policy_returns_identical_output(stack, reference_outputs, engine_stats):
+    _wait_until_settled(engine_stats)
+    before = _kv(engine_stats, "decode")
+    response = _complete(stack, COMPLETION_PROMPTS["long"], headers=INJECT_HEADER)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == reference_outputs["long"]["token_ids"]
+    prefill, decode = _wait_until_settled(engine_stats)
+    assert decode.kv_transfer["fallbacks_total"] == before["fallbacks_total"] + 1
+    assert decode.kv_transfer["pulls_failed_total"] == before["pulls_failed_total"] + 1
+    assert prefill.kv_transfer["leases_outstanding"] == 0  # the failed pull still released the lease

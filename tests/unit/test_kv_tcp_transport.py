@@ -1,0 +1,299 @@
+"""The "tcp" KV transport on real loopback sockets, with bytearray-backed pages."""
+
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from kv_transfer import wire
+from kv_transfer.errors import TransferFailed, TransferTimeout, UnknownBackendError
+from kv_transfer.leases import LeaseTable
+from kv_transfer.transport import get_backend
+from kv_transfer.transport.base import FetchResult, PageSink, PageSource
+
+LAYERS, BLOCKS, PAGE_BYTES = 4, 16, 4096
+
+
+class BytePages:
+    """LAYERS x BLOCKS pages of PAGE_BYTES; implements PageSource and PageSink."""
+
+    def __init__(self, seed: int | None = None):
+        rng = random.Random(seed)
+        self.data = [[bytearray(rng.randbytes(PAGE_BYTES) if seed is not None else PAGE_BYTES)
+                      for _ in range(BLOCKS)] for _ in range(LAYERS)]
+
+    def pages(self, block_ids: list[int]) -> list[memoryview]:
+        for block in block_ids:
+            if not 0 <= block < BLOCKS:
+                raise KeyError(f"block {block} is not held here")
+        return [memoryview(self.data[layer][block]) for layer in range(LAYERS) for block in block_ids]
+
+
+@pytest.fixture
+def source():
+    return BytePages(seed=7)
+
+
+@pytest.fixture
+def serve(source):
+    servers = []
+
+    def start(**kwargs):
+        kwargs = {"on_release": lambda rid: None, "on_stats": lambda: {}, **kwargs}
+        server = get_backend("tcp").server("127.0.0.1", 0, source, **kwargs)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def client():
+    client = get_backend("tcp").client()
+    yield client
+    client.close()
+
+
+def _fetch(client, server, block_ids, request_id="req-1", sink=None, timeout_s=5.0):
+    sink = sink or BytePages()
+    host, port = server.address
+    result = client.fetch(host, port, request_id, block_ids, sink.pages(block_ids), timeout_s)
+    return result, sink
+
+
+def _same(source, sink, remote_ids, local_ids=None):
+    local_ids = local_ids or remote_ids
+    return all(source.data[layer][r] == sink.data[layer][l]
+               for layer in range(LAYERS) for r, l in zip(remote_ids, local_ids))
+
+
+def test_registry_and_interfaces(source):
+    backend = get_backend("tcp")
+    assert backend.name == "tcp"
+    assert isinstance(source, PageSource) and isinstance(source, PageSink)
+    with pytest.raises(UnknownBackendError, match="'nixl'; known backends: tcp"):
+        get_backend("nixl")
+
+
+def test_fetch_returns_identical_bytes_in_layer_major_order(serve, client, source):
+    server = serve()
+    sink = BytePages()
+    remote, local = [3, 7, 1], [0, 9, 15]
+    host, port = server.address
+    result = client.fetch(host, port, "req-1", remote, sink.pages(local), 5.0)
+    assert isinstance(result, FetchResult)
+    assert result.bytes == LAYERS * 3 * PAGE_BYTES and result.seconds > 0
+    assert _same(source, sink, remote, local)
+    untouched = [b for b in range(BLOCKS) if b not in local]
+    assert all(sink.data[layer][b] == bytes(PAGE_BYTES) for layer in range(LAYERS) for b in untouched)
+
+
+def test_multidimensional_dest_pages_are_filled_in_place(serve, client, source):
+    server = serve()
+    buffers = [bytearray(PAGE_BYTES) for _ in range(LAYERS)]
+    dest = [memoryview(b).cast("B", (64, 64)) for b in buffers]  # like a [heads, dim] tensor page
+    client.fetch(*server.address, "r", [5], dest, 5.0)
+    assert [bytes(b) for b in buffers] == [bytes(source.data[layer][5]) for layer in range(LAYERS)]
+
+
+def test_connection_is_reused_between_fetches(serve, client):
+    server = serve()
+    local_ports = set()
+    for _ in range(5):
+        _fetch(client, server, [2])
+        (sock,) = client._idle[server.address]  # white box: the pool holds one idle connection
+        local_ports.add(sock.getsockname()[1])
+    assert len(local_ports) == 1
+
+
+def test_idle_pooled_connection_outlives_the_servers_io_timeout(serve, client):
+    server = serve()
+    server.io_timeout_s = 0.2  # bounds one exchange, not the wait between exchanges
+    _fetch(client, server, [1])
+    (first,) = client._idle[server.address]
+    time.sleep(0.4)
+    _fetch(client, server, [1])
+    (second,) = client._idle[server.address]
+    assert second is first  # not dropped by the server and silently replaced
+
+
+def test_server_drops_a_client_that_stalls_mid_message(serve):
+    server = serve()
+    server.io_timeout_s = 0.3
+    with socket.create_connection(server.address, timeout=5) as sock:
+        sock.sendall(wire.encode_read_blocks("r", [1])[:10])  # half a header, then nothing
+        started = time.monotonic()
+        assert sock.recv(1) == b""
+        assert time.monotonic() - started < 2.0
+
+
+def test_unknown_blocks_fail_with_the_server_message_and_keep_the_connection(serve, client, source):
+    server = serve()
+    dest = [memoryview(bytearray(PAGE_BYTES)) for _ in range(2 * LAYERS)]
+    with pytest.raises(TransferFailed, match="block 99 is not held here") as info:
+        client.fetch(*server.address, "r", [1, 99], dest, 5.0)
+    assert info.value.remote
+    result, sink = _fetch(client, server, [1])  # same pooled connection still in step
+    assert _same(source, sink, [1])
+
+
+def test_unleased_request_or_blocks_are_refused_when_leases_are_given(serve, client, source):
+    leases = LeaseTable()
+    leases.grant("held", [3, 7], now_s=0.0, lease_s=60.0)
+    server = serve(leases=leases)
+    with pytest.raises(TransferFailed, match="'other' holds no KV lease"):
+        _fetch(client, server, [3], request_id="other")
+    with pytest.raises(TransferFailed, match=r"blocks \[1\] are not leased to request 'held'"):
+        _fetch(client, server, [3, 1], request_id="held")
+    _, sink = _fetch(client, server, [7, 3], request_id="held")
+    assert _same(source, sink, [7, 3])
+
+
+def test_payload_size_mismatch_fails_before_touching_dest_pages(serve, client):
+    server = serve()
+    small = [memoryview(bytearray(PAGE_BYTES // 2)) for _ in range(LAYERS)]
+    with pytest.raises(TransferFailed, match=f"sending {LAYERS * PAGE_BYTES} bytes .* hold {LAYERS * PAGE_BYTES // 2}"):
+        client.fetch(*server.address, "r", [2], small, 5.0)
+    assert all(bytes(page) == bytes(PAGE_BYTES // 2) for page in small)
+    _fetch(client, server, [2])  # the dropped connection is replaced transparently
+
+
+def test_dest_pages_must_be_whole_layers_and_writable(serve, client):
+    server = serve()
+    with pytest.raises(ValueError, match="whole number of layers"):
+        client.fetch(*server.address, "r", [1, 2], [memoryview(bytearray(PAGE_BYTES))] * 3, 5.0)
+    with pytest.raises(ValueError, match="writable"):
+        client.fetch(*server.address, "r", [1], [memoryview(bytes(PAGE_BYTES))] * LAYERS, 5.0)
+
+
+def test_release_calls_on_release_and_reports_its_failure(serve, client):
+    released = []
+
+    def on_release(request_id):
+        if request_id == "bad":
+            raise RuntimeError("engine refused")
+        released.append(request_id)
+
+    server = serve(on_release=on_release)
+    client.release(*server.address, "req-9", 5.0)
+    client.release(*server.address, "req-9", 5.0)
+    assert released == ["req-9", "req-9"]  # idempotence is the callback's (LeaseTable's) job
+    with pytest.raises(TransferFailed, match="engine refused"):
+        client.release(*server.address, "bad", 5.0)
+
+
+def test_stats_round_trip(serve, client):
+    server = serve(on_stats=lambda: {"leases_outstanding": 3, "bytes": 1 << 40, "ok": True})
+    assert client.stats(*server.address, 5.0) == {"leases_outstanding": 3, "bytes": 1 << 40, "ok": True}
+
+
+def test_restarted_server_is_reached_through_a_stale_pooled_connection(source, client):
+    backend = get_backend("tcp")
+    first = backend.server("127.0.0.1", 0, source, lambda r: None, lambda: {})
+    first.start()
+    port = first.address[1]
+    _fetch(client, first, [1])
+    first.stop()  # the pooled connection is now dead
+    second = backend.server("127.0.0.1", port, source, lambda r: None, lambda: {})
+    second.start()
+    try:
+        _, sink = _fetch(client, second, [4])
+        assert _same(source, sink, [4])
+    finally:
+        second.stop()
+
+
+def test_nothing_listening_fails_fast(client):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(TransferFailed, match="cannot connect"):
+        client.fetch("127.0.0.1", port, "r", [1], [memoryview(bytearray(PAGE_BYTES))] * LAYERS, 2.0)
+
+
+def _fake_server(behaviour):
+    """A one-shot peer that reads one request, then does `behaviour(conn)`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            behaviour(conn)
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def test_server_dying_mid_transfer_fails_within_the_timeout(client):
+    total = LAYERS * PAGE_BYTES
+
+    def half_then_die(conn):
+        conn.sendall(wire.encode_data_prefix("r", total) + b"x" * (total // 2))
+
+    port = _fake_server(half_then_die)
+    started = time.monotonic()
+    with pytest.raises(TransferFailed, match=f"after {total // 2} of {total}"):
+        client.fetch("127.0.0.1", port, "r", [1], [memoryview(bytearray(PAGE_BYTES)) for _ in range(LAYERS)], 5.0)
+    assert time.monotonic() - started < 2.0
+
+
+def test_server_stalling_mid_transfer_times_out_instead_of_hanging(client):
+    total = LAYERS * PAGE_BYTES
+    release = threading.Event()
+
+    def half_then_stall(conn):
+        conn.sendall(wire.encode_data_prefix("r", total) + b"x" * (total // 2))
+        release.wait(10)
+
+    port = _fake_server(half_then_stall)
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        client.fetch("127.0.0.1", port, "r", [1], [memoryview(bytearray(PAGE_BYTES)) for _ in range(LAYERS)], 0.5)
+    assert 0.4 < time.monotonic() - started < 2.0
+    release.set()
+
+
+def test_garbage_clients_do_not_crash_the_server(serve, client, source):
+    server = serve()
+    rng = random.Random(1)
+    garbage = [rng.randbytes(4096),  # not our magic
+               wire.encode_read_blocks("r", [1])[:12] + b"\xff" * 8,  # our magic, 2**64-1 payload
+               wire.encode_read_blocks("r", [1])[:10]]  # truncated, then hang up
+    for junk in garbage:
+        with socket.create_connection(server.address, timeout=5) as sock:
+            sock.sendall(junk)
+            sock.shutdown(socket.SHUT_WR)
+            reply = sock.recv(65536)
+            assert reply == b"" or wire.decode_header(reply[:wire.HEADER_SIZE], 1 << 16).type == wire.MessageType.ERROR
+    _, sink = _fetch(client, server, [3, 7, 1])
+    assert _same(source, sink, [3, 7, 1])
+
+
+def test_concurrent_fetches_from_four_threads_are_correct(serve, client, source):
+    server = serve()
+    failures = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        for _ in range(10):
+            blocks = rng.sample(range(BLOCKS), 4)
+            try:
+                _, sink = _fetch(client, server, blocks, request_id=f"t{seed}")
+                if not _same(source, sink, blocks):
+                    failures.append((seed, blocks))
+            except Exception as exc:  # collected so the main thread's assert reports it
+                failures.append((seed, repr(exc)))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert failures == []
