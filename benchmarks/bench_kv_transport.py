@@ -169,6 +169,8 @@ def _mooncake_reader(conn, max_bytes: int) -> None:
         conn.send(("ready",))
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        if peer is not None:
+            peer.kill()
         return
     try:
         while (command := conn.recv())[0] == "run":
@@ -235,11 +237,14 @@ class MooncakeHarness:
             self._proc.kill()
 
 
-def measure(n_bytes: int, preparers: dict[str, Callable], repeats: int) -> list[dict]:
+def measure(n_bytes: int, preparers: dict[str, Callable | str], repeats: int) -> list[dict]:
+    """One row per method; a preparer given as a string is that method's error."""
     src, dst = _payload(n_bytes), np.zeros(n_bytes, dtype=np.uint8)
     runners: dict[str, Runner] = {}
-    errors: dict[str, str] = {}
+    errors = {name: prepare for name, prepare in preparers.items() if isinstance(prepare, str)}
     for name, prepare in preparers.items():
+        if name in errors:
+            continue
         try:
             runners[name] = prepare(src, dst)
             dst[:] = 0
@@ -269,13 +274,6 @@ def measure(n_bytes: int, preparers: dict[str, Callable], repeats: int) -> list[
     return rows
 
 
-def _failing(message: str) -> Callable:
-    """A preparer that fails with `message`, so a broken method still gets its error rows."""
-    def prepare(src: np.ndarray, dst: np.ndarray) -> Runner:
-        raise RuntimeError(message)
-    return prepare
-
-
 def _fmt_size(n_bytes: int) -> str:
     return f"{n_bytes // MIB} MiB" if n_bytes >= MIB else f"{n_bytes // KIB} KiB"
 
@@ -289,7 +287,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [n for n in SIZES_BYTES if n <= args.max_mib * MIB]
 
-    preparers: dict[str, Callable] = {"memcpy": prepare_memcpy, "raw_tcp": prepare_raw_tcp,
+    preparers: dict[str, Callable | str] = {"memcpy": prepare_memcpy, "raw_tcp": prepare_raw_tcp,
                                       "ours_tcp": prepare_ours}
     mooncake = None
     if not args.no_mooncake:
@@ -300,7 +298,7 @@ def main() -> None:
                 raise RuntimeError(mooncake.error)
             preparers["mooncake_tcp"] = mooncake.prepare
         except Exception as exc:
-            preparers["mooncake_tcp"] = _failing(f"{type(exc).__name__}: {exc}")
+            preparers["mooncake_tcp"] = f"{type(exc).__name__}: {exc}"
     rows: list[dict] = []
     try:
         for n in sizes:

@@ -32,6 +32,37 @@ class InjectedFailure(KVTransferError):
     """A failure requested by the test hook in TransferParams (inject_failure)."""
 
 
+class LeaseExpired(KVTransferError):
+    """The prefill's lease deadline passed before decode could pull."""
+
+
+class _ReadGuard:
+    """What the transport server asks before serving a read (the LeaseTable interface it uses).
+
+    A read may legitimately arrive before this worker hears of the lease (the grant comes with
+    the prefill engine's next step); the blocks are already pinned by the scheduler then. What
+    must be refused is a read after the lease ended (released or expired): those blocks may
+    already hold another request's KV.
+    """
+
+    class _Any:
+        @staticmethod
+        def covers(block_ids) -> bool:
+            return True
+
+    def __init__(self, worker: "WorkerSide"):
+        self._worker = worker
+
+    def get(self, request_id: str):
+        worker = self._worker
+        lease = worker._leases.get(request_id)
+        if lease is not None:
+            return lease
+        with worker._lock:
+            ended = request_id in worker._recently_done
+        return None if ended else self._Any()
+
+
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings):
         self._settings = settings
@@ -56,7 +87,8 @@ class WorkerSide:
     def register(self, pages) -> None:
         self._pages = pages
         self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
-                                            on_release=self._on_release, on_stats=self.stats)
+                                            on_release=self._on_release, on_stats=self.stats,
+                                            leases=_ReadGuard(self))
         self._server.start()
         logger.info("kv transfer: serving %d layers x %d blocks (%d B pages) on %s:%s via %s",
                     pages.num_layers, pages.num_blocks, pages.page_bytes, self._settings.host,
@@ -82,13 +114,15 @@ class WorkerSide:
             for request_id, at_s in list(self._released_early.items()):
                 if now_s - at_s > 2 * self._settings.lease_s:
                     del self._released_early[request_id]
-        for lease in self._leases.expire(now_s):
+            # Under self._lock so that a RELEASE racing the expiry finds the id already done.
+            expired = self._leases.expire(now_s)
+            for lease in expired:
+                self._finished_sending.add(lease.request_id)
+                self._remember_done(lease.request_id)
+        for lease in expired:
             self._counters.lease_expired()
             logger.warning("kv transfer: lease of %s expired unreleased; freeing %d blocks",
                            lease.request_id, len(lease.block_ids))
-            with self._lock:
-                self._finished_sending.add(lease.request_id)
-                self._remember_done(lease.request_id)
         with self._lock:
             out = (self._finished_sending, self._finished_recving, self._failed_recving)
             self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
@@ -108,20 +142,23 @@ class WorkerSide:
 
     def _grant(self, grant: LeaseGrant, now_s: float) -> None:
         self._counters.lease_granted(len(grant.block_ids))
+        # The check for an early release and the grant happen under one lock (as does
+        # _on_release's lookup and record): otherwise a RELEASE landing between them is
+        # recorded as early while the lease is granted anyway, pinning the blocks until expiry.
         with self._lock:
             early = self._released_early.pop(grant.request_id, None) is not None
             if early:  # decode already pulled and released: free at once
                 self._finished_sending.add(grant.request_id)
                 self._remember_done(grant.request_id)
+            else:
+                self._leases.grant(grant.request_id, grant.block_ids, now_s, grant.lease_s)
         if early:
             self._counters.lease_released()
-        else:
-            self._leases.grant(grant.request_id, grant.block_ids, now_s, grant.lease_s)
 
     def _on_release(self, request_id: str) -> None:
         """Transport server thread: decode is done with (or gave up on) these blocks."""
-        lease = self._leases.release(request_id)
         with self._lock:
+            lease = self._leases.release(request_id)
             if lease is not None:
                 self._finished_sending.add(request_id)
                 self._remember_done(request_id)
@@ -141,6 +178,9 @@ class WorkerSide:
         try:
             if params.inject_failure:
                 raise InjectedFailure("injected transfer failure (test hook)")
+            if time.time() > params.lease_deadline_unix_s:
+                # The prefill side may already have reused these blocks: never read them.
+                raise LeaseExpired(f"lease of {params.remote_request_id} ended before the pull started")
             dest = self._pages.pages(list(job.local_block_ids))
             result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
                                         list(job.remote_block_ids), dest, self._settings.transfer_timeout_s)

@@ -10,7 +10,7 @@ import pytest
 from kv_transfer import wire
 from kv_transfer.errors import TransferFailed, TransferTimeout, UnknownBackendError
 from kv_transfer.leases import LeaseTable
-from kv_transfer.transport import get_backend
+from kv_transfer.transport import get_backend, sockio
 from kv_transfer.transport.base import FetchResult, PageSink, PageSource
 
 LAYERS, BLOCKS, PAGE_BYTES = 4, 16, 4096
@@ -274,6 +274,22 @@ def test_garbage_clients_do_not_crash_the_server(serve, client, source):
             assert reply == b"" or wire.decode_header(reply[:wire.HEADER_SIZE], 1 << 16).type == wire.MessageType.ERROR
     _, sink = _fetch(client, server, [3, 7, 1])
     assert _same(source, sink, [3, 7, 1])
+
+
+def test_gather_and_scatter_across_more_pages_than_one_syscall_takes():
+    rng = random.Random(3)
+    sizes = [rng.choice([0, 1, 7, 100, 4096]) for _ in range(3000)]  # > IOV_MAX (1024) views
+    src = [rng.randbytes(n) for n in sizes]
+    dst = [bytearray(n) for n in sizes]
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # force many partial sends
+    with a, b:
+        sender = threading.Thread(target=sockio.send_buffers,
+                                  args=(a, [memoryview(s) for s in src], sockio.Deadline(10)))
+        sender.start()
+        got = sockio.recv_into_pages(b, [memoryview(d) for d in dst], sockio.Deadline(10))
+        sender.join()
+    assert got == sum(sizes) and [bytes(d) for d in dst] == src
 
 
 def test_concurrent_fetches_from_four_threads_are_correct(serve, client, source):
