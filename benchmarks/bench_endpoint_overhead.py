@@ -72,7 +72,7 @@ def _median_summary(summaries: list[Summary]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--manifest", default=str(REPO / "manifests" / "local.yaml"))
+    parser.add_argument("--manifest", default=str(REPO / "manifests" / "local-colocated.yaml"))
     parser.add_argument("--base-url", default=None, help="use an already running endpoint instead of starting one")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)

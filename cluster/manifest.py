@@ -140,8 +140,9 @@ class KVTransferSpec(_Strict):
 
     backend: Literal["tcp"] = "tcp"
     """Transport: tcp (dependency-free, our binary protocol)."""
-    lease_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    """Prefill holds a finished prompt's blocks at most this long for decode to pull them."""
+    lease_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """Prefill holds a finished prompt's blocks at most this long for decode to pull them.
+    Decode starts a pull only if it can finish (transfer_timeout_s) before the deadline."""
     transfer_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     """A pull slower than this counts as failed; failure_policy then decides."""
     failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -194,6 +195,11 @@ class Manifest(_Strict):
                 "pools[].role", roles, "unsupported pool layout",
                 "declare one colocated pool, or one prefill pool and one decode pool"))
         elif self.disaggregated:
+            if self.kv_transfer.transfer_timeout_s >= self.kv_transfer.lease_s:
+                problems.append(ManifestIssue(
+                    "kv_transfer.transfer_timeout_s", self.kv_transfer.transfer_timeout_s,
+                    f"not shorter than lease_s={self.kv_transfer.lease_s:g}: no pull could ever start",
+                    "make lease_s several times transfer_timeout_s (e.g. 30 and 5)"))
             prefill, decode = self.pool_with_role(PoolRole.prefill), self.pool_with_role(PoolRole.decode)
             if prefill.engine.block_size != decode.engine.block_size:
                 problems.append(ManifestIssue(

@@ -178,9 +178,10 @@ class WorkerSide:
         try:
             if params.inject_failure:
                 raise InjectedFailure("injected transfer failure (test hook)")
-            if time.time() > params.lease_deadline_unix_s:
-                # The prefill side may already have reused these blocks: never read them.
-                raise LeaseExpired(f"lease of {params.remote_request_id} ended before the pull started")
+            if time.time() + self._settings.transfer_timeout_s > params.lease_deadline_unix_s:
+                # A pull that could still be running at the deadline might read blocks the
+                # prefill side has already reused for another request: never start one.
+                raise LeaseExpired(f"lease of {params.remote_request_id} ends before a pull could finish")
             dest = self._pages.pages(list(job.local_block_ids))
             result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
                                         list(job.remote_block_ids), dest, self._settings.transfer_timeout_s)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol, runtime_checkable
-
-from kv_transfer.leases import LeaseTable
+from typing import Callable, ClassVar, Iterable, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -32,6 +30,19 @@ class PageSink(Protocol):
     """Decode side: writable pages to receive into, same order and layout as PageSource."""
 
     def pages(self, block_ids: list[int]) -> list[memoryview]:
+        ...
+
+
+class CoversBlocks(Protocol):
+    def covers(self, block_ids: Iterable[int]) -> bool:
+        ...
+
+
+class LeaseLookup(Protocol):
+    """What the server asks before serving a read: `LeaseTable`, or a connector's own guard."""
+
+    def get(self, request_id: str) -> CoversBlocks | None:
+        """None refuses every read of the request; otherwise `covers` decides per read."""
         ...
 
 
@@ -54,7 +65,7 @@ class TransferServer(abc.ABC):
 
     def __init__(self, host: str, port: int, source: PageSource,
                  on_release: Callable[[str], None], on_stats: Callable[[], dict],
-                 *, leases: LeaseTable | None = None):
+                 *, leases: LeaseLookup | None = None):
         self.host = host
         self.port = port
         self.source = source
@@ -113,7 +124,7 @@ class TransportBackend:
 
     @classmethod
     def server(cls, host: str, port: int, source: PageSource, on_release: Callable[[str], None],
-               on_stats: Callable[[], dict], *, leases: LeaseTable | None = None) -> TransferServer:
+               on_stats: Callable[[], dict], *, leases: LeaseLookup | None = None) -> TransferServer:
         return cls.server_cls(host, port, source, on_release, on_stats, leases=leases)
 
     @classmethod

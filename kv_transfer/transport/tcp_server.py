@@ -122,8 +122,7 @@ class TcpTransferServer(TransferServer):
                 if lease is None:
                     return error(f"request {request_id!r} holds no KV lease here (released or expired)")
                 if not lease.covers(block_ids):
-                    missing = sorted(set(block_ids) - set(lease.block_ids))
-                    return error(f"blocks {missing} are not leased to request {request_id!r}")
+                    return error(f"blocks {block_ids} are not all leased to request {request_id!r}")
             try:
                 pages = [byte_view(p) for p in self.source.pages(block_ids)]
             except (KeyError, ValueError, IndexError) as exc:

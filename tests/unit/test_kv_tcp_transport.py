@@ -148,7 +148,7 @@ def test_unleased_request_or_blocks_are_refused_when_leases_are_given(serve, cli
     server = serve(leases=leases)
     with pytest.raises(TransferFailed, match="'other' holds no KV lease"):
         _fetch(client, server, [3], request_id="other")
-    with pytest.raises(TransferFailed, match=r"blocks \[1\] are not leased to request 'held'"):
+    with pytest.raises(TransferFailed, match=r"blocks \[3, 1\] are not all leased to request 'held'"):
         _fetch(client, server, [3, 1], request_id="held")
     _, sink = _fetch(client, server, [7, 3], request_id="held")
     assert _same(source, sink, [7, 3])

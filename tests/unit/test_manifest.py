@@ -72,7 +72,7 @@ def test_local_manifest_values():
     assert prefill.engine.enable_prefix_caching and not decode.engine.enable_prefix_caching
     assert prefill.engine.block_size == decode.engine.block_size
     kv = manifest.kv_transfer
-    assert (kv.backend, kv.lease_s, kv.transfer_timeout_s, kv.failure_policy) == ("tcp", 10, 5, "recompute")
+    assert (kv.backend, kv.lease_s, kv.transfer_timeout_s, kv.failure_policy) == ("tcp", 30, 5, "recompute")
     assert kv.allow_fault_injection
     with pytest.raises(KeyError):
         manifest.pool("nope")

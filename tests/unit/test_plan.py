@@ -82,7 +82,7 @@ def test_local_manifest_plan_fits():
         ("prefill", "prefill", ["prefill-0"]), ("decode", "decode", ["decode-0"])]
     assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "prefill-0": 1, "decode-0": 1}
     assert plan.endpoint_url == "http://127.0.0.1:8000"
-    assert plan.kv_transfer == ("decode pulls prompt KV from prefill over tcp; lease 10s, "
+    assert plan.kv_transfer == ("decode pulls prompt KV from prefill over tcp; lease 30s, "
                                 "timeout 5s, on failure: recompute")
 
 
