@@ -87,12 +87,11 @@ def _ttft_split(url: str, manifest, repeats: int = 5) -> dict:
             started = time.perf_counter()
             with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
                     "model": manifest.model.name, "prompt": prompt, "max_tokens": 4, "stream": True}) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        ttfts.append(time.perf_counter() - started)
-                        break
-                for _ in response.iter_lines():
-                    pass
+                first_s = None
+                for line in response.iter_lines():  # read to the end; time the first token
+                    if first_s is None and line.startswith("data: {"):
+                        first_s = time.perf_counter() - started
+                ttfts.append(first_s)
             time.sleep(0.2)
             after = decode.stats.remote().result().kv_transfer
             pulls.append(after["pull_seconds_total"] - before["pull_seconds_total"])
