@@ -13,6 +13,9 @@ clock resolves them. Each method's bytes are checked against the source before t
   sendall of the payload into recv_into of the destination.
 - ours_tcp: our backend, server in a thread, fetching 32 KiB pages (one CPU KV page of the
   tiny model) straight between page buffers, like a decode worker pulling a request's blocks.
+- ours_mooncake: our "mooncake" backend the same way (server and client engines in this
+  process): DESCRIBE over our TCP control connection, then one Mooncake batch read of the
+  32 KiB pages; needs the Mooncake wheel, else an error row.
 - mooncake_tcp: TransferEngine on the TCP protocol, reader and peer in two processes (driven
   through a pipe and timed inside the reader); any failure becomes an error row.
 
@@ -43,7 +46,7 @@ KIB, MIB = 1024, 1024 * 1024
 SIZES_BYTES = [64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB]
 PAGE_BYTES = 32 * KIB
 MIN_RUN_BYTES = 16 * MIB
-METHODS = ["memcpy", "raw_tcp", "ours_tcp", "mooncake_tcp"]
+METHODS = ["memcpy", "raw_tcp", "ours_tcp", "ours_mooncake", "mooncake_tcp"]
 
 # A prepared method: run(ops) -> seconds for `ops` transfers of the payload; close().
 Runner = tuple[Callable[[int], float], Callable[[], None]]
@@ -106,18 +109,22 @@ class _ArrayPages:
     def __init__(self, array: np.ndarray):
         self.array = array.reshape(-1, min(PAGE_BYTES, array.size))
 
+    def regions(self) -> list[tuple[int, int]]:
+        return [(self.array.ctypes.data, self.array.nbytes)]
+
     def pages(self, block_ids: list[int]) -> list[memoryview]:
         return [memoryview(self.array[b]) for b in block_ids]
 
 
-def prepare_ours(src: np.ndarray, dst: np.ndarray) -> Runner:
+def prepare_ours(src: np.ndarray, dst: np.ndarray, backend_name: str = "tcp") -> Runner:
     source, sink = _ArrayPages(src), _ArrayPages(dst)
     block_ids = list(range(source.array.shape[0]))
     dest_pages = sink.pages(block_ids)
-    backend = get_backend("tcp")
+    backend = get_backend(backend_name)
     server = backend.server("127.0.0.1", 0, source, lambda rid: None, lambda: {})
     server.start()
     client = backend.client()
+    client.register_sink(sink)
     host, port = server.address
 
     def close():
@@ -125,6 +132,10 @@ def prepare_ours(src: np.ndarray, dst: np.ndarray) -> Runner:
         server.stop()
 
     return _timed(lambda: client.fetch(host, port, "bench", block_ids, dest_pages, 60.0)), close
+
+
+def prepare_ours_mooncake(src: np.ndarray, dst: np.ndarray) -> Runner:
+    return prepare_ours(src, dst, "mooncake")
 
 
 def _mooncake_peer(conn, n_bytes: int) -> None:
@@ -291,6 +302,7 @@ def main() -> None:
                                       "ours_tcp": prepare_ours}
     mooncake = None
     if not args.no_mooncake:
+        preparers["ours_mooncake"] = prepare_ours_mooncake
         _progress("starting the Mooncake harness (two processes) ...")
         try:
             mooncake = MooncakeHarness(max(sizes), args.mooncake_timeout_s)

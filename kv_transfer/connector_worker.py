@@ -86,6 +86,7 @@ class WorkerSide:
 
     def register(self, pages) -> None:
         self._pages = pages
+        self._client.register_sink(pages)  # backends that register memory do it once, here
         self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
                                             on_release=self._on_release, on_stats=self.stats,
                                             leases=_ReadGuard(self))

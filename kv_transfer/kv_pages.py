@@ -30,12 +30,24 @@ class KVPages:
     def num_layers(self) -> int:
         return len(self._layers)
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, nbytes) spanned by each layer's cache, for transports that register memory."""
+        return [(layer.data_ptr(), _span_bytes(layer)) for layer in self._layers]
+
     def pages(self, block_ids: list[int]) -> list[memoryview]:
         for block in block_ids:
             if not 0 <= block < self.num_blocks:
                 raise ValueError(f"block {block} outside [0, {self.num_blocks})")
         return [memoryview(layer[block].view(torch.uint8).numpy()).cast("B")
                 for layer in self._layers for block in block_ids]
+
+
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from the first to one past the last element (numel * size when contiguous)."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
 
 
 def _layer_index(name: str) -> tuple[int, str]:

@@ -7,7 +7,7 @@ payload. All integers are unsigned, network byte order (big-endian):
     ------  ----  ----------------  ------  ----------------------------------------------
          0     4  magic             bytes   b"MSKV"
          4     1  version           u8      1
-         5     1  type              u8      MessageType (READ_BLOCKS=1 ... ERROR=6)
+         5     1  type              u8      MessageType (READ_BLOCKS=1 ... DESCRIBE_BLOCKS=7)
          6     2  request_id_len    u16     bytes of the utf-8 request id, <= 256
          8     4  block_count       u32     number of block ids, <= 1 << 20
         12     8  payload_len       u64     bytes of payload, <= the receiver's limit
@@ -15,9 +15,18 @@ payload. All integers are unsigned, network byte order (big-endian):
       20+R   4*B  block_ids         u32[B]  B = block_count
     20+R+4B    P  payload           bytes   P = payload_len
 
-Payloads by type: READ_BLOCKS, RELEASE, STATS carry none; DATA carries the pages back to
-back in the order requested; OK carries nothing or (for STATS) utf-8 JSON; ERROR carries a
-utf-8 message. Receivers call `decode_header` on the first 20 bytes, which validates every
+Payloads by type: READ_BLOCKS, RELEASE, STATS, DESCRIBE_BLOCKS carry none; DATA carries the
+pages back to back in the order requested; OK carries nothing, (for STATS) utf-8 JSON, or (for
+DESCRIBE_BLOCKS) a page table; ERROR carries a utf-8 message.
+
+A page table tells a reader with one-sided access (the "mooncake" backend) where the pages of
+the requested blocks live in the server's memory, layer-major like DATA:
+
+    u16 rpc_port, u16 flags, u32 count, then count x (u64 address, u32 nbytes)   (big-endian)
+
+flags bit 0 (PAGES_IN_REGIONS): every page lies in memory the server registered as a whole
+region, so pages that are adjacent in memory may be read as one range. No other bit is defined.
+ Receivers call `decode_header` on the first 20 bytes, which validates every
 length before anything is allocated or read, so a garbage peer cannot make us read 2**64 bytes.
 """
 
@@ -37,6 +46,10 @@ HEADER_SIZE = _HEADER.size  # 20
 MAX_REQUEST_ID_BYTES = 256
 MAX_BLOCKS = 1 << 20
 _MAX_BLOCK_ID = (1 << 32) - 1
+MAX_PAGES = 1 << 24  # pages in one page table (layers x blocks)
+_PAGE_TABLE_HEAD = struct.Struct("!HHI")  # rpc_port, flags, count
+PAGES_IN_REGIONS = 1
+_PAGE_ENTRY = struct.Struct("!QI")  # address, nbytes
 # ERROR texts are truncated to this, so any receiver can afford to read one.
 MAX_ERROR_BYTES = 16 * 1024
 
@@ -48,6 +61,7 @@ class MessageType(IntEnum):
     DATA = 4
     OK = 5
     ERROR = 6
+    DESCRIBE_BLOCKS = 7
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,57 @@ def encode_release(request_id: str) -> bytes:
 
 def encode_stats() -> bytes:
     return encode_prefix(MessageType.STATS)
+
+
+def encode_describe_blocks(request_id: str, block_ids: Sequence[int]) -> bytes:
+    return encode_prefix(MessageType.DESCRIBE_BLOCKS, request_id, block_ids)
+
+
+def page_table_bytes(count: int) -> int:
+    """Size of the page table of `count` pages (a receiver's exact payload limit)."""
+    return _PAGE_TABLE_HEAD.size + count * _PAGE_ENTRY.size
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Where the server's pages are: read them from the Mooncake engine at host:rpc_port."""
+
+    rpc_port: int
+    pages: list[tuple[int, int]]  # (address, nbytes), layer-major
+    pages_in_regions: bool = False  # adjacent pages may be read as one range
+
+
+def encode_page_table(table: PageTable) -> bytes:
+    """The DESCRIBE_BLOCKS answer's payload."""
+    if not 0 < table.rpc_port < 1 << 16:
+        raise WireError(f"rpc port {table.rpc_port} is not in [1, 65535]")
+    if len(table.pages) > MAX_PAGES:
+        raise WireError(f"{len(table.pages)} pages in one page table; the limit is {MAX_PAGES}")
+    try:
+        entries = b"".join(_PAGE_ENTRY.pack(address, nbytes) for address, nbytes in table.pages)
+    except struct.error as exc:
+        raise WireError(f"page addresses must fit u64 and sizes u32: {exc}") from None
+    flags = PAGES_IN_REGIONS if table.pages_in_regions else 0
+    return _PAGE_TABLE_HEAD.pack(table.rpc_port, flags, len(table.pages)) + entries
+
+
+def decode_page_table(payload: bytes | bytearray | memoryview) -> PageTable:
+    """The page table in a DESCRIBE_BLOCKS answer; WireError if it is malformed."""
+    if len(payload) < _PAGE_TABLE_HEAD.size:
+        raise WireError(f"page table of {len(payload)} bytes is shorter than its "
+                        f"{_PAGE_TABLE_HEAD.size}-byte head")
+    rpc_port, flags, count = _PAGE_TABLE_HEAD.unpack_from(payload)
+    if rpc_port == 0:
+        raise WireError("page table names rpc port 0")
+    if flags & ~PAGES_IN_REGIONS:
+        raise WireError(f"page table has unknown flags {flags:#x}")
+    if count > MAX_PAGES:
+        raise WireError(f"page table of {count} pages exceeds the limit {MAX_PAGES}")
+    if len(payload) != page_table_bytes(count):
+        raise WireError(f"page table of {count} pages should be {page_table_bytes(count)} bytes, "
+                        f"got {len(payload)}")
+    pages = list(_PAGE_ENTRY.iter_unpack(memoryview(payload)[_PAGE_TABLE_HEAD.size:]))
+    return PageTable(rpc_port, pages, bool(flags & PAGES_IN_REGIONS))
 
 
 def encode_data_prefix(request_id: str, payload_len_bytes: int) -> bytes:

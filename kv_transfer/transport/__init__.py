@@ -4,8 +4,8 @@
     server = backend.server_cls(host, 0, source, on_release, on_stats)
     client = backend.client_cls()
 
-Built-in backends are imported on first use, so a backend whose dependency is missing (say,
-a future Mooncake one) only fails when someone asks for it by name.
+Built-in backends are imported on first use, so a backend whose dependency is missing (the
+Mooncake wheel for "mooncake") only fails when someone asks for it by name.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ _B = TypeVar("_B", bound=type[TransportBackend])
 
 _REGISTRY: dict[str, type[TransportBackend]] = {}
 # name -> module that registers it when imported
-_BUILTIN_MODULES = {"tcp": "kv_transfer.transport.tcp"}
+_BUILTIN_MODULES = {"tcp": "kv_transfer.transport.tcp",
+                    "mooncake": "kv_transfer.transport.mooncake"}
 
 
 def register_backend(name: str) -> Callable[[_B], _B]:

@@ -6,6 +6,10 @@ Page lists are always layer-major: for each layer, for each block id in the orde
 
 The decode worker's `TransferClient` pulls pages from the prefill worker's `TransferServer`
 straight into its own pages, then asks the server to release the request's blocks.
+
+A page source or sink may also implement `HasRegions.regions()`: the few large buffers all its
+pages live in. Backends that must register memory before moving it (Mooncake, RDMA) register
+those once instead of page by page.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ class PageSink(Protocol):
     """Decode side: writable pages to receive into, same order and layout as PageSource."""
 
     def pages(self, block_ids: list[int]) -> list[memoryview]:
+        ...
+
+
+@runtime_checkable
+class HasRegions(Protocol):
+    """Optional for a PageSource / PageSink: the memory every page of it lies in."""
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, nbytes) of each buffer holding pages; ranges may overlap or touch."""
         ...
 
 
@@ -109,6 +122,10 @@ class TransferClient(abc.ABC):
     @abc.abstractmethod
     def stats(self, host: str, port: int, timeout_s: float) -> dict:
         """The server's `on_stats()`."""
+
+    def register_sink(self, sink: PageSink) -> None:
+        """Hint: `fetch` will receive into pages of `sink`. Backends that register memory do it
+        here once (for a sink with `regions()`); the default does nothing."""
 
     @abc.abstractmethod
     def close(self) -> None:

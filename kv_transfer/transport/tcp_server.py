@@ -117,19 +117,9 @@ class TcpTransferServer(TransferServer):
             return True
 
         if msg_type == MessageType.READ_BLOCKS:
-            if self.leases is not None:
-                lease = self.leases.get(request_id)
-                if lease is None:
-                    return error(f"request {request_id!r} holds no KV lease here (released or expired)")
-                if not lease.covers(block_ids):
-                    return error(f"blocks {block_ids} are not all leased to request {request_id!r}")
-            try:
-                pages = [byte_view(p) for p in self.source.pages(block_ids)]
-            except (KeyError, ValueError, IndexError) as exc:
-                return error(f"cannot serve blocks {block_ids} of {request_id!r}: {exc!r}")
-            except Exception as exc:
-                log.exception("source.pages(%r) failed", block_ids)
-                return error(f"internal error reading blocks of {request_id!r}: {exc!r}")
+            pages = self._leased_pages(request_id, block_ids)
+            if isinstance(pages, str):
+                return error(pages)
             prefix = wire.encode_data_prefix(request_id, sum(p.nbytes for p in pages))
             send_buffers(conn, [prefix, *pages], deadline)
             return True
@@ -149,5 +139,21 @@ class TcpTransferServer(TransferServer):
                 return error(f"stats failed: {exc!r}")
             send_buffers(conn, [wire.encode_ok(request_id, payload)], deadline)
             return True
-        error(f"{msg_type.name} is a reply, not a request")
+        error(f"{msg_type.name} is not a request this server answers")
         return False
+
+    def _leased_pages(self, request_id: str, block_ids: list[int]) -> list[memoryview] | str:
+        """The pages of `block_ids` as flat byte views, or why they may not be served."""
+        if self.leases is not None:
+            lease = self.leases.get(request_id)
+            if lease is None:
+                return f"request {request_id!r} holds no KV lease here (released or expired)"
+            if not lease.covers(block_ids):
+                return f"blocks {block_ids} are not all leased to request {request_id!r}"
+        try:
+            return [byte_view(p) for p in self.source.pages(block_ids)]
+        except (KeyError, ValueError, IndexError) as exc:
+            return f"cannot serve blocks {block_ids} of {request_id!r}: {exc!r}"
+        except Exception as exc:
+            log.exception("source.pages(%r) failed", block_ids)
+            return f"internal error reading blocks of {request_id!r}: {exc!r}"

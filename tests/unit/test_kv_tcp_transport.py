@@ -76,7 +76,7 @@ def test_registry_and_interfaces(source):
     backend = get_backend("tcp")
     assert backend.name == "tcp"
     assert isinstance(source, PageSource) and isinstance(source, PageSink)
-    with pytest.raises(UnknownBackendError, match="'nixl'; known backends: tcp"):
+    with pytest.raises(UnknownBackendError, match="'nixl'; known backends: mooncake, tcp"):
         get_backend("nixl")
 
 

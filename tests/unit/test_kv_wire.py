@@ -59,7 +59,7 @@ def _corrupt(offset: int, fmt: str, value) -> bytes:
     (_corrupt(4, "!B", 2), "unsupported protocol version 2"),
     (_corrupt(4, "!B", 0), "unsupported protocol version 0"),
     (_corrupt(5, "!B", 0), "unknown message type 0"),
-    (_corrupt(5, "!B", 7), "unknown message type 7"),
+    (_corrupt(5, "!B", 8), "unknown message type 8"),
     (_corrupt(6, "!H", 257), "request id length 257"),
     (_corrupt(8, "!I", (1 << 20) + 1), "block count 1048577"),
     (_corrupt(8, "!I", (1 << 32) - 1), "block count 4294967295"),
@@ -106,3 +106,30 @@ def test_encoding_refuses_what_the_format_cannot_carry():
 def test_error_text_is_truncated_to_the_limit():
     header, _, _, payload = _decode(wire.encode_error("r", "e" * 100_000))
     assert header.payload_len_bytes == len(payload) == wire.MAX_ERROR_BYTES
+
+
+def test_describe_blocks_round_trip():
+    header, request_id, block_ids, payload = _decode(wire.encode_describe_blocks("abc", [4, 2]))
+    assert (header.type, request_id, block_ids, payload) == (MessageType.DESCRIBE_BLOCKS, "abc", (4, 2), b"")
+
+
+def test_page_table_round_trip_and_validation():
+    pages = [(0x7F00_0000_1000, 4096), ((1 << 64) - 1, (1 << 32) - 1), (0, 0)]
+    for in_regions in (False, True):
+        table = wire.PageTable(4242, pages, in_regions)
+        payload = wire.encode_page_table(table)
+        assert len(payload) == wire.page_table_bytes(3) == 8 + 3 * 12
+        assert wire.decode_page_table(payload) == table
+    assert payload[:8] == struct.pack("!HHI", 4242, 1, 3)
+    with pytest.raises(WireError, match="should be"):
+        wire.decode_page_table(payload[:-1])
+    with pytest.raises(WireError, match="rpc port 0"):
+        wire.decode_page_table(b"\0" * 8)
+    with pytest.raises(WireError, match="unknown flags 0x2"):
+        wire.decode_page_table(struct.pack("!HHI", 1, 2, 0))
+    with pytest.raises(WireError, match="shorter"):
+        wire.decode_page_table(b"\0\0")
+    with pytest.raises(WireError):
+        wire.encode_page_table(wire.PageTable(1, [(1 << 64, 1)]))
+    with pytest.raises(WireError, match="rpc port 70000"):
+        wire.encode_page_table(wire.PageTable(70000, []))

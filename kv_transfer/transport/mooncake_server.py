@@ -1,0 +1,71 @@
+"""Server half of the "mooncake" KV transport (see `mooncake` for the protocol).
+
+The TCP control server of the "tcp" backend, plus a Mooncake TransferEngine that exposes the
+page memory, plus one more request: DESCRIBE_BLOCKS answers where the pages of leased blocks
+live, and the client then reads them with the engine, without this process copying a byte.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kv_transfer import wire
+from kv_transfer.errors import KVTransferError
+from kv_transfer.transport.base import HasRegions
+from kv_transfer.transport.mooncake_memory import MemoryRegistry, new_engine
+from kv_transfer.transport.sockio import Deadline, send_buffers
+from kv_transfer.transport.tcp_server import TcpTransferServer
+from kv_transfer.wire import MessageType
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeTransferServer(TcpTransferServer):
+    """`host` must be an address clients reach this machine at: it is also the engine's name
+    in its handshake, and clients read from the engine at `host:rpc_port`."""
+
+    def __init__(self, host, port, source, on_release, on_stats, *, leases=None):
+        super().__init__(host, port, source, on_release, on_stats, leases=leases)
+        self._engine = None
+        self._memory: MemoryRegistry | None = None
+        self.rpc_port = 0
+
+    def start(self) -> None:
+        engine = new_engine(self.host)
+        memory = MemoryRegistry(engine)
+        if isinstance(self.source, HasRegions):
+            memory.add_regions(self.source.regions())
+        self._engine, self._memory, self.rpc_port = engine, memory, engine.get_rpc_port()
+        try:
+            super().start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        super().stop()  # no DESCRIBE can run after this
+        if self._memory is not None:
+            self._memory.clear()
+        self._engine = self._memory = None
+
+    def _dispatch(self, conn, msg_type: MessageType, request_id: str, block_ids: list[int],
+                  deadline: Deadline) -> bool:
+        if msg_type != MessageType.DESCRIBE_BLOCKS:
+            return super()._dispatch(conn, msg_type, request_id, block_ids, deadline)
+        pages = self._leased_pages(request_id, block_ids)
+        if isinstance(pages, str):
+            reply = wire.encode_error(request_id, pages)
+        else:
+            try:
+                placed = [self._memory.ensure(p) for p in pages]  # (address, region or None)
+                # One add_regions call merged touching regions, so any adjacent pages here
+                # lie in one registered range when all pages lie in regions.
+                table = wire.PageTable(
+                    self.rpc_port, [(address, p.nbytes) for (address, _), p in zip(placed, pages)],
+                    pages_in_regions=all(region is not None for _, region in placed))
+                reply = wire.encode_ok(request_id, wire.encode_page_table(table))
+            except (KVTransferError, ValueError, TypeError) as exc:  # registration or encoding
+                log.exception("describing blocks %r of %r failed", block_ids, request_id)
+                reply = wire.encode_error(request_id, f"cannot describe blocks of {request_id!r}: {exc}")
+        send_buffers(conn, [reply], deadline)
+        return True
