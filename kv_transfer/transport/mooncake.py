@@ -6,6 +6,7 @@ protocol here; the engine also speaks RDMA), control stays on the "tcp" backend'
                                      <-      OK(page table: rpc_port, [(address, nbytes)] layer-major)
                                              | ERROR(rid, text)
     engine.batch_transfer_sync_read(host:rpc_port, dest addresses, page addresses, sizes)
+                                             (adjacent pages in registered regions: one range)
     RELEASE(rid) / STATS             ->      as in "tcp"
 
 The server registers a source's `regions()` once at start (else each page on first DESCRIBE);

@@ -2,8 +2,8 @@
 
 A fetch asks the server over the pooled TCP control connection where the pages are
 (DESCRIBE_BLOCKS), checks the page table against the destination pages, then reads every page
-with one Mooncake batch read straight into the destination memory. RELEASE and STATS are the
-"tcp" client's.
+with one Mooncake batch read straight into the destination memory (pages adjacent on both
+sides merged into one range, `plan_reads`). RELEASE and STATS are the "tcp" client's.
 """
 
 from __future__ import annotations

@@ -112,8 +112,8 @@ def _same(source, sink, remote_ids, local_ids):
                for layer in range(LAYERS) for r, l in zip(remote_ids, local_ids))
 
 
-@pytest.mark.parametrize("server_name,sink_name", [("byte_server", "byte_sink"), ("array_server", "array_sink"),
-                                                   ("array_server", "byte_sink")])
+@pytest.mark.parametrize("server_name,sink_name", [
+    ("byte_server", "byte_sink"), ("array_server", "array_sink"), ("array_server", "byte_sink")])
 def test_fetch_is_byte_identical(request, client, server_name, sink_name):
     served = request.getfixturevalue(server_name)
     sink = BytePages() if sink_name == "byte_sink" else request.getfixturevalue(sink_name)

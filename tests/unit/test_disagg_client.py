@@ -1,0 +1,123 @@
+"""DisaggregatedEngineClient with fake Serve handles: the prefill -> decode hand-off, and the
+release of a prefill's lease when decode never starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments import disagg_client as dc
+from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, TokenDelta
+
+PARAMS = {"remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "p-1", "do_remote_prefill": True}
+
+
+class _Method:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+class FakePrefillHandle:
+    def __init__(self, result):
+        self.result = result
+        self.released: list[dict] = []
+        self.prefill = _Method(self._prefill)
+        self.release = _Method(self._release)
+        self.check_health = _Method(self._ok)
+
+    async def _prefill(self, request):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+    async def _release(self, params):
+        self.released.append(params)
+
+    async def _ok(self):
+        return None
+
+
+class FakeDecodeClient:
+    """HandleEngineClient's interface (what DisaggregatedEngineClient wraps the decode handle in)."""
+
+    def __init__(self, script):
+        self.script = script
+        self.requests: list[EngineRequest] = []
+
+    async def stream(self, request, **_options):
+        self.requests.append(request)
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            if item == "block":
+                await asyncio.Event().wait()
+            yield item
+
+    async def health(self, timeout_s):
+        return None
+
+
+def _client(prefill, decode, monkeypatch, **kwargs):
+    monkeypatch.setattr(dc, "HandleEngineClient", lambda handle: handle)
+    return dc.DisaggregatedEngineClient(prefill, decode, **kwargs)
+
+
+REQUEST = EngineRequest("r-1", [1, 2, 3], SamplingSpec(max_tokens=4))
+DELTA = TokenDelta("hi", [7], "length", 3, 1)
+
+
+async def _drain(stream):
+    return [item async for item in stream]
+
+
+def test_decode_gets_the_prefill_params(monkeypatch):
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([DELTA])
+    out = asyncio.run(_drain(_client(prefill, decode, monkeypatch).stream(REQUEST)))
+    assert out == [DELTA]
+    assert decode.requests[0].kv_transfer_params == PARAMS
+    assert decode.requests[0].prompt_token_ids == [1, 2, 3]
+    assert prefill.released == []  # decode pulled and released itself
+
+
+def test_prefill_failure_is_passed_on_and_decode_never_called(monkeypatch):
+    failure = EngineFailure("no", retriable=True)
+    decode = FakeDecodeClient([DELTA])
+    out = asyncio.run(_drain(_client(FakePrefillHandle(failure), decode, monkeypatch).stream(REQUEST)))
+    assert out == [failure] and decode.requests == []
+
+
+def test_prefill_replica_crash_becomes_a_retriable_failure(monkeypatch):
+    decode = FakeDecodeClient([DELTA])
+    out = asyncio.run(_drain(_client(FakePrefillHandle(RuntimeError("actor died")), decode, monkeypatch)
+                             .stream(REQUEST)))
+    assert isinstance(out[0], EngineFailure) and out[0].retriable and "actor died" in out[0].message
+
+
+def test_lease_released_when_the_caller_leaves_before_decode_yields(monkeypatch):
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient(["block"])
+
+    async def scenario():
+        task = asyncio.ensure_future(_drain(_client(prefill, decode, monkeypatch).stream(REQUEST)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)  # the release is sent in the background
+
+    asyncio.run(scenario())
+    assert [p["remote_request_id"] for p in prefill.released] == ["p-1"]
+
+
+def test_fault_injection_only_when_allowed(monkeypatch):
+    for allowed, expected in ((True, True), (False, None)):
+        prefill = FakePrefillHandle(PrefillResult(dict(PARAMS), 3, 0.01))
+        decode = FakeDecodeClient([DELTA])
+        client = _client(prefill, decode, monkeypatch, allow_fault_injection=allowed)
+        asyncio.run(_drain(client.stream(REQUEST, inject_transfer_failure=True)))
+        assert decode.requests[0].kv_transfer_params.get("inject_failure") is expected
