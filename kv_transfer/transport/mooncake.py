@@ -1,5 +1,5 @@
-"""Mooncake backend ("mooncake"): page bytes move through Mooncake's transfer engine (TCP
-protocol here; the engine also speaks RDMA), control stays on the "tcp" backend's protocol.
+"""Mooncake backend ("mooncake"): page bytes move through Mooncake's transfer engine (its TCP
+protocol; RDMA is not wired up here), control stays on the "tcp" backend's protocol.
 
     client                                   server (owns a TransferEngine; page memory registered)
     DESCRIBE_BLOCKS(rid, block_ids)  ->      lease check, source.pages(block_ids)

@@ -261,6 +261,9 @@ def test_kv_transfer_settings_are_validated():
                                                        "kv_transfer.lease_s": 0}
     issue = only_issue(broken(LOCAL, lambda d: d["kv_transfer"].update(backend="nixl")))
     assert (issue.field, issue.value) == ("kv_transfer.backend", "nixl")
+    data = raw(LOCAL)
+    data["kv_transfer"]["backend"] = "mooncake"
+    assert parse_manifest(data, source="mooncake.yaml").kv_transfer.backend == "mooncake"
 
 
 def test_several_problems_are_reported_together():
