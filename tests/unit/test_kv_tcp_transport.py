@@ -270,7 +270,10 @@ def test_garbage_clients_do_not_crash_the_server(serve, client, source):
         with socket.create_connection(server.address, timeout=5) as sock:
             sock.sendall(junk)
             sock.shutdown(socket.SHUT_WR)
-            reply = sock.recv(65536)
+            try:
+                reply = sock.recv(65536)
+            except ConnectionResetError:  # the server hung up with our junk still unread: also fine
+                reply = b""
             assert reply == b"" or wire.decode_header(reply[:wire.HEADER_SIZE], 1 << 16).type == wire.MessageType.ERROR
     _, sink = _fetch(client, server, [3, 7, 1])
     assert _same(source, sink, [3, 7, 1])
