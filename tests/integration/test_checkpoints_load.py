@@ -22,7 +22,7 @@ if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.15)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     runs = [llm.generate(["Mixture of experts"] * 2, greedy, use_tqdm=False) for _ in range(2)]
-    print(json.dumps([[list(o.outputs[0].token_ids) for o in run] for run in runs]))
+    print("RESULT " + json.dumps([[list(o.outputs[0].token_ids) for o in run] for run in runs]), flush=True)
 """
 
 
@@ -35,6 +35,7 @@ def test_tiny_mixtral_loads_in_vllm_and_is_deterministic(tmp_path):
     result = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
                             timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    runs = json.loads(line[len("RESULT "):])
     assert len(runs[0][0]) == 8
     assert runs[0][0] == runs[0][1] == runs[1][0] == runs[1][1]
