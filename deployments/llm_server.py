@@ -56,11 +56,10 @@ class LLMServer:
                 finished = delta.finish_reason is not None
                 if delta.finish_reason == "error":  # e.g. KV pull failed under policy "fail"
                     self._stats.failed_total += 1
-                    yield EngineFailure("the engine failed the request (KV transfer failed?)", retriable=True)
+                    yield EngineFailure("the engine ended the request with an error (on a decode replica: "
+                                        "the KV transfer failed under failure_policy=fail)", retriable=True)
                     break
                 yield delta
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
         except Exception as exc:  # engine errors become values so the ingress can answer cleanly
             logger.exception("request %s failed in the engine", request.request_id)
             self._stats.failed_total += 1
