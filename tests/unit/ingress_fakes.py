@@ -1,0 +1,146 @@
+"""Fakes with the real interfaces of the ingress's collaborators, and HTTP helpers, shared by
+the ingress tests. FakeEngine has HandleEngineClient's interface (stream() yields TokenDelta /
+EngineFailure, health() raises when unhealthy) and FakeTokenizer has PromptTokenizer's, so the
+ingress runs exactly the code it runs under Serve, minus Ray."""
+
+import asyncio
+import inspect
+import json
+from typing import Any
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from deployments import openai_responses as out
+from deployments.engine_client import HandleEngineClient
+from deployments.openai_ingress import HEALTH_TIMEOUT_S, OpenAIIngress
+from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+from deployments.tokenizer import PromptTokenizer
+
+
+MAX_MODEL_LEN = 64
+MODEL = {"name": "m", "path": "unused", "max_model_len": MAX_MODEL_LEN, "dtype": "bfloat16"}
+HTTP = {"max_request_bytes": 4096}
+BLOCK = object()  # in a script: wait forever (until cancelled)
+
+
+class FakeTokenizer:
+    """One token per character; chat adds one token per message boundary plus a generation prompt."""
+
+    vocab_size = 200
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return [ord(c) % 100 + 100 for c in prompt]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids: list[int] = []
+        for message in messages:
+            ids += [1] + self.encode_prompt(message["role"] + ":" + message["content"])
+        return ids + [2]
+
+
+@dataclass
+class StreamLog:
+    """What happened to one stream the fake engine served."""
+
+    request: EngineRequest
+    yielded: int = 0  # items handed to the consumer
+    exhausted: bool = False
+    closed_early: bool = False  # GeneratorExit: the consumer called aclose()
+    cancelled: bool = False
+    finalized: bool = False
+
+
+@dataclass
+class FakeEngine:
+    """A script of items per request: TokenDelta, EngineFailure, an Exception to raise, or BLOCK."""
+
+    script: list = field(default_factory=list)
+    health_error: Exception | None = None
+    streams: list[StreamLog] = field(default_factory=list)
+    health_timeouts: list[float] = field(default_factory=list)
+
+    async def stream(self, request: EngineRequest, **_options: Any) -> AsyncIterator[TokenDelta | EngineFailure]:
+        log = StreamLog(request)
+        self.streams.append(log)
+        try:
+            for item in self.script:
+                if item is BLOCK:
+                    await asyncio.Event().wait()
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    log.yielded += 1
+                    yield item
+            log.exhausted = True
+        except GeneratorExit:
+            log.closed_early = True
+            raise
+        except asyncio.CancelledError:
+            log.cancelled = True
+            raise
+        finally:
+            log.finalized = True
+
+    async def health(self, timeout_s: float) -> None:
+        self.health_timeouts.append(timeout_s)
+        if self.health_error is not None:
+            raise self.health_error
+
+
+
+def deltas(*texts: str, finish: str = "stop", prompt_tokens: int = 0) -> list[TokenDelta]:
+    """One delta per text, one token id per delta (id 10, 11, ...), the last one finishing."""
+    items = []
+    for i, text in enumerate(texts):
+        items.append(TokenDelta(text, [10 + i], finish if i == len(texts) - 1 else None, prompt_tokens, i + 1))
+    return items
+
+
+HELLO = deltas("Hello", " big", " world", finish="length")
+
+
+def make_client(engine: FakeEngine) -> tuple[TestClient, OpenAIIngress]:
+    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer())
+
+    async def endpoint(request):
+        return await ingress(request)
+
+    app = Starlette(routes=[Route("/{path:path}", endpoint, methods=["GET", "POST", "PUT", "DELETE"])])
+    return TestClient(app), ingress
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine(script=list(HELLO))
+
+
+@pytest.fixture
+def client(engine) -> TestClient:
+    with make_client(engine)[0] as c:
+        yield c
+
+
+def sse_events(text: str) -> list:
+    """Decode an SSE body into JSON payloads, with "[DONE]" kept as the string."""
+    assert text.endswith("\n\n")
+    events = []
+    for block in text.strip("\n").split("\n\n"):
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(response, status: int, code: str | None, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    assert error["message"]
+    return error
