@@ -17,7 +17,7 @@ from kv_transfer import wire
 from kv_transfer.errors import TransferFailed, TransferTimeout
 from kv_transfer.transport.base import FetchResult, HasRegions, PageSink
 from kv_transfer.transport.mooncake_memory import MemoryRegistry, new_engine
-from kv_transfer.transport.sockio import Deadline, byte_view, recv_exact
+from kv_transfer.transport.sockio import Deadline, byte_view, dest_views, recv_exact
 from kv_transfer.transport.tcp_client import TcpTransferClient
 from kv_transfer.wire import MessageType
 
@@ -37,16 +37,11 @@ class MooncakeTransferClient(TcpTransferClient):
 
     def register_sink(self, sink: PageSink) -> None:
         if isinstance(sink, HasRegions):
-            # No peer known yet: name the engine by the default route's address.
-            self._local_memory("10.255.255.255").add_regions(sink.regions())
+            # No peer known yet: name the engine by loopback (the name matters only for RDMA).
+            self._local_memory("127.0.0.1").add_regions(sink.regions())
 
     def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s) -> FetchResult:
-        if remote_block_ids and len(dest_pages) % len(remote_block_ids):
-            raise ValueError(f"{len(dest_pages)} dest pages is not a whole number of layers "
-                             f"of {len(remote_block_ids)} blocks")
-        views = [byte_view(p) for p in dest_pages]
-        if any(v.readonly for v in views):
-            raise ValueError("dest pages must be writable")
+        views = dest_views(dest_pages, remote_block_ids)
         started_s = time.perf_counter()
 
         def read_table(sock: socket.socket, deadline: Deadline) -> wire.PageTable:

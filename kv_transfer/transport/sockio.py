@@ -50,6 +50,17 @@ def byte_view(page: memoryview) -> memoryview:
     return page.cast("B")
 
 
+
+def dest_views(dest_pages, remote_block_ids) -> list[memoryview]:
+    """Writable byte views of a fetch's destination pages (a whole number of layers' worth)."""
+    if remote_block_ids and len(dest_pages) % len(remote_block_ids):
+        raise ValueError(f"{len(dest_pages)} dest pages is not a whole number of layers "
+                         f"of {len(remote_block_ids)} blocks")
+    views = [byte_view(p) for p in dest_pages]
+    if any(v.readonly for v in views):
+        raise ValueError("dest pages must be writable")
+    return views
+
 def recv_exact(sock: socket.socket, n_bytes: int, deadline: Deadline) -> bytearray:
     """Exactly `n_bytes`; TransferFailed if the peer closes first."""
     buf = bytearray(n_bytes)

@@ -11,7 +11,7 @@ from typing import Callable, TypeVar
 from kv_transfer import wire
 from kv_transfer.errors import TransferFailed, TransferTimeout, WireError
 from kv_transfer.transport.base import FetchResult, TransferClient
-from kv_transfer.transport.sockio import (Deadline, byte_view, read_message_start,
+from kv_transfer.transport.sockio import (Deadline, byte_view, dest_views, read_message_start,
                                           recv_exact, recv_into_pages, send_buffers, tune_socket)
 from kv_transfer.wire import MessageType
 
@@ -28,12 +28,7 @@ class TcpTransferClient(TransferClient):
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
 
     def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s) -> FetchResult:
-        if remote_block_ids and len(dest_pages) % len(remote_block_ids):
-            raise ValueError(f"{len(dest_pages)} dest pages is not a whole number of layers "
-                             f"of {len(remote_block_ids)} blocks")
-        views = [byte_view(p) for p in dest_pages]
-        if any(v.readonly for v in views):
-            raise ValueError("dest pages must be writable")
+        views = dest_views(dest_pages, remote_block_ids)
         expected = sum(v.nbytes for v in views)
 
         def receive(sock: socket.socket, deadline: Deadline) -> int:
