@@ -3,9 +3,14 @@
 prefill replica: run the prompt, keep the KV blocks, return TransferParams
 decode replica:  admit the request with them, pull the blocks, decode, stream tokens
 
-Serve's router picks each replica (power of two choices on queue length). If the caller goes
-away between prefill and decode admission, the prefill's lease is released explicitly; the
-lease deadline is the backstop if even that fails.
+Serve's router picks each replica (power of two choices on queue length).
+
+Who frees the prefill's blocks: from the moment the prefill is asked for, this client owns its
+lease until decode admits the request. If the caller goes away during the prefill, the prefill
+is *not* cancelled: cancelling a Serve call is best effort, and a prefill that completes while
+its result is being dropped leaves a lease nobody knows about (seen in CI). Instead the prefill
+finishes in the background (at most one prompt's worth of wasted work) and its lease is released
+at once. The lease deadline remains the backstop if even the release fails.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ class DisaggregatedEngineClient:
 
     async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False
                      ) -> AsyncIterator[TokenDelta | EngineFailure]:
+        prefill_task = asyncio.ensure_future(self._prefill.prefill.remote(request))
         try:
-            prefill = await self._prefill.prefill.remote(request)
+            prefill = await asyncio.shield(prefill_task)
+        except asyncio.CancelledError:
+            prefill_task.add_done_callback(self._release_when_done)
+            raise
         except Exception as exc:  # replica died or unreachable
             yield EngineFailure(f"prefill replica failed: {type(exc).__name__}: {str(exc)[:300]}", retriable=True)
             return
@@ -52,6 +61,14 @@ class DisaggregatedEngineClient:
                 # Decode never produced anything: it may never have pulled. Releasing twice is
                 # harmless (the prefill side ignores unknown leases), leaking blocks is not.
                 asyncio.ensure_future(self._release(params))
+
+    def _release_when_done(self, prefill_task: asyncio.Future) -> None:
+        """The caller left during its prefill: free the blocks the prefill ends up holding."""
+        if prefill_task.cancelled() or prefill_task.exception() is not None:
+            return  # no result, no lease (a replica that died took its blocks with it)
+        result = prefill_task.result()
+        if isinstance(result, PrefillResult):
+            asyncio.ensure_future(self._release(dict(result.transfer_params)))
 
     async def _release(self, params: dict) -> None:
         try:

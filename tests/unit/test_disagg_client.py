@@ -121,3 +121,59 @@ def test_fault_injection_only_when_allowed(monkeypatch):
         client = _client(prefill, decode, monkeypatch, allow_fault_injection=allowed)
         asyncio.run(_drain(client.stream(REQUEST, inject_transfer_failure=True)))
         assert decode.requests[0].kv_transfer_params.get("inject_failure") is expected
+
+
+def test_caller_leaving_during_prefill_releases_the_lease_the_prefill_ends_up_holding(monkeypatch):
+    """Cancelling a Serve call is best effort; the prefill may complete anyway. The client must
+    not drop its result: it lets the prefill finish and releases the lease (seen leaking in CI)."""
+    gate = asyncio.Event()
+
+    class SlowPrefill(FakePrefillHandle):
+        async def _prefill(self, request):
+            await gate.wait()
+            return self.result
+
+    prefill = SlowPrefill(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([DELTA])
+    client = _client(prefill, decode, monkeypatch)
+
+    async def scenario():
+        consumer = asyncio.ensure_future(_drain(client.stream(REQUEST)))
+        await asyncio.sleep(0.01)
+        consumer.cancel()  # the HTTP client went away while its prompt was being prefilled
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        assert prefill.released == []  # nothing to release yet: the prefill is still running
+        gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return prefill.released
+
+    released = asyncio.run(scenario())
+    assert [p["remote_request_id"] for p in released] == ["p-1"]
+    assert decode.requests == []  # decode never admitted it
+
+
+def test_caller_leaving_during_a_failing_prefill_releases_nothing(monkeypatch):
+    gate = asyncio.Event()
+
+    class FailingPrefill(FakePrefillHandle):
+        async def _prefill(self, request):
+            await gate.wait()
+            raise RuntimeError("replica died")
+
+    prefill = FailingPrefill(None)
+    client = _client(prefill, FakeDecodeClient([DELTA]), monkeypatch)
+
+    async def scenario():
+        consumer = asyncio.ensure_future(_drain(client.stream(REQUEST)))
+        await asyncio.sleep(0.01)
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return prefill.released
+
+    assert asyncio.run(scenario()) == []
