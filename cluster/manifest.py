@@ -99,6 +99,28 @@ class PlacementSpec(_Strict):
     """Custom Ray resources reserved per replica."""
 
 
+class ExpertParallelSpec(_Strict):
+    """Shard a pool's routed experts over an engine group of `size` ranks per replica.
+
+    Each replica becomes `size` vLLM ranks (data-parallel attention, expert-parallel MoE
+    layers), one per bundle of a placement group spread over the pool's nodes; every rank
+    holds num_experts/size routed experts. Scaling happens in whole groups.
+    """
+
+    size: Annotated[int, Field(ge=2, le=1024)]
+    """Ranks per engine group; must divide the model's number of routed experts."""
+    placement_strategy: Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"] = "STRICT_SPREAD"
+    """How the group's ranks are spread over nodes (Ray placement group strategy):
+    STRICT_SPREAD puts every rank on its own node."""
+    enable_eplb: bool = False
+    """vLLM's expert-parallel load balancer (redundant experts, periodic rebalancing).
+    GPU only: vLLM's CPU build rejects it."""
+    num_redundant_experts: Annotated[int, Field(ge=0, le=4096)] = 0
+    """Extra expert replicas EPLB may place (needs enable_eplb)."""
+    rank_failure_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    """After a rank dies, in-flight requests of its group fail (retriable) within this time."""
+
+
 class PoolSpec(_Strict):
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")]
     """Pool name, unique in the manifest: lower case letters, digits and dashes."""
@@ -110,6 +132,13 @@ class PoolSpec(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the pool's engine processes."""
+    expert_parallel: ExpertParallelSpec | None = None
+    """Make every replica an expert-parallel engine group (see ExpertParallelSpec); placement
+    then applies per rank (num_cpus, num_gpus and node_labels of each rank's bundle)."""
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.expert_parallel.size if self.expert_parallel else 1
 
 
 class SLOSpec(_Strict):
@@ -218,6 +247,7 @@ class Manifest(_Strict):
                 problems.append(ManifestIssue(
                     f"pools[{index}].placement.num_gpus", pool.placement.num_gpus,
                     "GPUs requested on a cpu manifest", "set accelerator: gpu or num_gpus: 0"))
+            problems.extend(_expert_parallel_issues(self, index, pool))
             if self.local_cluster and pool.placement.node_labels and not any(
                 pool.placement.node_labels.items() <= node.labels.items() for node in self.local_cluster.nodes
             ):
@@ -246,6 +276,37 @@ class Manifest(_Strict):
             if pool.name == name:
                 return pool
         raise KeyError(name)
+
+
+def _expert_parallel_issues(manifest: "Manifest", index: int, pool: PoolSpec) -> list[ManifestIssue]:
+    ep = pool.expert_parallel
+    if ep is None:
+        return []
+    where = f"pools[{index}].expert_parallel"
+    problems: list[ManifestIssue] = []
+    if ep.enable_eplb and manifest.accelerator is Accelerator.cpu:
+        problems.append(ManifestIssue(
+            f"{where}.enable_eplb", True, "vLLM's CPU build rejects expert load balancing (EPLB)",
+            "set enable_eplb: false on cpu manifests (per-expert load is still exported as metrics)"))
+    if ep.num_redundant_experts and not ep.enable_eplb:
+        problems.append(ManifestIssue(
+            f"{where}.num_redundant_experts", ep.num_redundant_experts, "redundant experts need EPLB",
+            "set enable_eplb: true (GPU) or num_redundant_experts: 0"))
+    if pool.engine.tensor_parallel_size != 1:
+        problems.append(ManifestIssue(
+            f"pools[{index}].engine.tensor_parallel_size", pool.engine.tensor_parallel_size,
+            "expert-parallel groups here use data-parallel attention with one device per rank",
+            "set tensor_parallel_size: 1 (scale with expert_parallel.size instead)"))
+    if manifest.local_cluster and ep.placement_strategy == "STRICT_SPREAD":
+        fitting = [node for node in manifest.local_cluster.nodes
+                   if pool.placement.node_labels.items() <= node.labels.items()]
+        if len(fitting) < ep.size:
+            problems.append(ManifestIssue(
+                f"{where}.size", ep.size,
+                f"STRICT_SPREAD needs {ep.size} nodes carrying {pool.placement.node_labels or 'any labels'}, "
+                f"local_cluster has {len(fitting)}",
+                "add nodes with those labels to local_cluster.nodes, or use placement_strategy: PACK"))
+    return problems
 
 
 class _ConsistencyError(ValueError):

@@ -23,7 +23,8 @@ class ModelFacts:
     weight_bytes: int
     num_layers: int
     kv_bytes_per_token: int  # K and V, all layers, at the manifest dtype
-    num_experts: int | None = None
+    num_experts: int | None = None  # routed experts per MoE layer
+    expert_weight_bytes: int = 0  # the routed experts' share of weight_bytes (split by EP)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ReplicaPlacement:
     node: str  # a local node name, or the label selector when no cluster is declared
     num_cpus: float
     num_gpus: float
+    rank: int | None = None  # expert-parallel pools: the rank within the replica's group
+    experts: tuple[int, int] | None = None  # first and last routed expert this rank holds
+    weight_bytes: int | None = None  # weights this rank (or replica) loads
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,9 @@ class PoolPlan:
     name: str
     role: str
     replicas: list[ReplicaPlacement]
-    kv_cache_bytes_per_replica: int | None
+    kv_cache_bytes_per_replica: int | None  # per rank in expert-parallel pools
     kv_cache_tokens_per_replica: int | None
+    expert_parallel: str | None = None  # one line: group size, strategy, EPLB
 
 
 @dataclass(frozen=True)
@@ -69,15 +74,24 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
     for pool in manifest.pools:
         matching = [n.name for n in nodes if pool.placement.node_labels.items() <= n.labels.items()]
         placements = []
+        ranks = pool.ranks_per_replica
         for index in range(pool.replicas):
-            if nodes:
-                node = matching[index % len(matching)]
-                reserved[node] += pool.placement.num_cpus
-            else:
-                node = _selector(pool)
-            placements.append(ReplicaPlacement(pool.name, index, node, pool.placement.num_cpus, pool.placement.num_gpus))
+            for rank in range(ranks):
+                if nodes:
+                    # Spread strategies put a group's ranks on distinct nodes; packed ones fill a node.
+                    spread = pool.expert_parallel is None or "SPREAD" in pool.expert_parallel.placement_strategy
+                    node = matching[(index + rank) % len(matching)] if spread else matching[index % len(matching)]
+                    reserved[node] += pool.placement.num_cpus
+                else:
+                    node = _selector(pool)
+                placements.append(ReplicaPlacement(
+                    pool.name, index, node, pool.placement.num_cpus, pool.placement.num_gpus,
+                    rank=rank if pool.expert_parallel else None,
+                    experts=_expert_range(facts, rank, ranks) if pool.expert_parallel else None,
+                    weight_bytes=_weights_per_rank(facts, ranks)))
         kv_bytes, kv_tokens = _kv_capacity(manifest, pool, facts)
-        pools.append(PoolPlan(pool.name, pool.role.value, placements, kv_bytes, kv_tokens))
+        pools.append(PoolPlan(pool.name, pool.role.value, placements, kv_bytes, kv_tokens,
+                              _expert_parallel_line(manifest, pool, facts, warnings)))
 
     for node in nodes:
         if reserved[node.name] > node.num_cpus:
@@ -91,6 +105,38 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
         kv = (f"decode pulls prompt KV from prefill over {t.backend}; lease {t.lease_s:g}s, "
               f"timeout {t.transfer_timeout_s:g}s, on failure: {t.failure_policy}")
     return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv)
+
+
+def _expert_range(facts: ModelFacts | None, rank: int, size: int) -> tuple[int, int] | None:
+    """vLLM's linear expert placement: rank r holds a contiguous block (remainder to the first ranks)."""
+    if facts is None or not facts.num_experts:
+        return None
+    base, extra = divmod(facts.num_experts, size)
+    first = rank * base + min(rank, extra)
+    return first, first + base + (1 if rank < extra else 0) - 1
+
+
+def _weights_per_rank(facts: ModelFacts | None, ranks: int) -> int | None:
+    if facts is None:
+        return None
+    dense = facts.weight_bytes - facts.expert_weight_bytes
+    return dense + -(-facts.expert_weight_bytes // ranks)
+
+
+def _expert_parallel_line(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None,
+                          warnings: list[str]) -> str | None:
+    ep = pool.expert_parallel
+    if ep is None:
+        return None
+    if facts and facts.num_experts and facts.num_experts % ep.size:
+        warnings.append(f"pool {pool.name}: {facts.num_experts} routed experts do not split evenly over "
+                        f"{ep.size} ranks; the first ranks hold one more (uneven load)")
+    if manifest.accelerator.value == "cpu":
+        eplb = "EPLB unavailable (vLLM's CPU build rejects it; per-expert load is still exported)"
+    else:
+        eplb = (f"EPLB on, {ep.num_redundant_experts} redundant experts" if ep.enable_eplb else "EPLB off")
+    return (f"{ep.size} ranks per replica (data-parallel attention, expert-parallel MoE), "
+            f"{ep.placement_strategy}, {eplb}")
 
 
 def _selector(pool: PoolSpec) -> str:
@@ -119,15 +165,25 @@ def render_plan(plan: Plan) -> str:
     lines.append(f"ingress      on {plan.ingress_node}")
     if plan.kv_transfer:
         lines.append(f"kv transfer  {plan.kv_transfer}")
+    for pool in plan.pools:
+        if pool.expert_parallel:
+            lines.append(f"experts      pool {pool.name}: {pool.expert_parallel}")
     lines.append("")
-    lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'node':<34}{'cpus':>6}{'gpus':>6}  kv cache")
+    lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'rank':<6}{'experts':<10}{'node':<30}"
+                 f"{'cpus':>6}{'gpus':>6}  {'weights':<11}kv cache")
     for pool in plan.pools:
         kv = "auto (GPU memory)" if pool.kv_cache_bytes_per_replica is None else _gib(pool.kv_cache_bytes_per_replica)
         if pool.kv_cache_tokens_per_replica:
             kv += f" = {pool.kv_cache_tokens_per_replica:,} tokens"
         for rep in pool.replicas:
-            lines.append(f"{pool.name:<12}{pool.role:<11}{rep.replica_index:<9}{rep.node:<34}"
-                         f"{rep.num_cpus:>6g}{rep.num_gpus:>6g}  {kv}")
+            rank = "-" if rep.rank is None else str(rep.rank)
+            if rep.experts:
+                experts = f"{rep.experts[0]}-{rep.experts[1]}"
+            else:
+                experts = "1/" + str(len({r.rank for r in pool.replicas})) if rep.rank is not None else "all"
+            weights = "?" if rep.weight_bytes is None else _gib(rep.weight_bytes)
+            lines.append(f"{pool.name:<12}{pool.role:<11}{rep.replica_index:<9}{rank:<6}{experts:<10}{rep.node:<30}"
+                         f"{rep.num_cpus:>6g}{rep.num_gpus:>6g}  {weights:<11}{kv}")
     if plan.node_cpu_reserved:
         lines.append("")
         lines.append("cpus reserved per node: " + ", ".join(f"{k}={v:g}" for k, v in plan.node_cpu_reserved.items()))

@@ -1,6 +1,8 @@
 """The only module that wires Serve: manifest -> Serve application.
 
-Ingress (OpenAIIngress) -> engine pool (LLMServer replicas, one vLLM engine each).
+Ingress (OpenAIIngress) -> engine pool. A pool's replica is one LLMServer (one vLLM engine), or,
+when the pool sets expert_parallel, one ExpertParallelGroup (N vLLM ranks on the N bundles of
+the replica's placement group).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from ray.serve import Application
 
 from cluster.manifest import Accelerator, Manifest, PoolRole, PoolSpec
 from cluster.plan import INGRESS_NUM_CPUS
+from deployments.expert_group import ExpertParallelGroup
 from deployments.llm_server import LLMServer
 from deployments.openai_ingress import OpenAIIngress
 
@@ -42,8 +45,49 @@ def engine_actor_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
     return options
 
 
+def rank_bundle(pool: PoolSpec) -> dict[str, float]:
+    """What one rank of an expert-parallel group reserves (one placement-group bundle)."""
+    bundle = {"CPU": pool.placement.num_cpus, **pool.placement.resources}
+    if pool.placement.num_gpus:
+        bundle["GPU"] = pool.placement.num_gpus
+    return bundle
+
+
+def expert_group_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
+    """Serve options of an expert-parallel pool: one placement group of N bundles per replica.
+
+    The replica (rank 0) takes bundle 0; it starts ranks 1..N-1 on the other bundles.
+    """
+    ep = pool.expert_parallel
+    actor = engine_actor_options(manifest, pool)
+    actor.pop("label_selector", None)  # the bundles carry the node selector instead
+    options: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [rank_bundle(pool) for _ in range(ep.size)],
+        "placement_group_strategy": ep.placement_strategy,
+    }
+    if pool.placement.node_labels:
+        options["placement_group_bundle_label_selector"] = [dict(pool.placement.node_labels)] * ep.size
+    return options
+
+
 def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str):
     kv_transfer = manifest.kv_transfer.model_dump() if manifest.disaggregated else None
+    if pool.expert_parallel is not None:
+        rank_options = engine_actor_options(manifest, pool)
+        rank_options.pop("label_selector", None)
+        return serve.deployment(ExpertParallelGroup).options(
+            name=pool.name,
+            num_replicas=pool.replicas,
+            max_ongoing_requests=pool.engine.max_num_seqs * 4 * pool.expert_parallel.size,
+            # Short period: a group with a dead rank fails its requests at once but only
+            # leaves the pool when Serve's health check notices.
+            health_check_period_s=2,
+            health_check_timeout_s=60,
+            graceful_shutdown_timeout_s=5,
+            **expert_group_options(manifest, pool),
+        ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool.expert_parallel.model_dump(),
+               rank_options, manifest.accelerator.value, pool.name)
     return serve.deployment(LLMServer).options(
         name=pool.name,
         num_replicas=pool.replicas,

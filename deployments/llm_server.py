@@ -98,10 +98,24 @@ class LLMServer:
     async def stats(self) -> ServerStats:
         self._stats.in_flight_request_ids = sorted(self._in_flight)
         self._stats.engine_unfinished_requests = self._engine.unfinished_requests()
+        self._stats.process_id = os.getpid()
         if self._kv_client is not None:
             self._stats.kv_transfer = await asyncio.to_thread(
                 self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
         return self._stats
+
+    async def routed_tokens_per_expert(self) -> dict[int, int]:
+        """Expert-parallel ranks: tokens routed to the experts this engine holds (see the shim)."""
+        from deployments.expert_ranks import merge_expert_load
+
+        return merge_expert_load(await self._engine.collective_rpc("routed_tokens_per_expert"))
+
+    def process_id(self) -> int:
+        return os.getpid()
+
+    async def wait_forever(self) -> None:
+        """Never returns: the group's watchdog awaits it to learn at once when this rank dies."""
+        await asyncio.Event().wait()
 
     async def check_health(self) -> None:
         """Called by Serve periodically; raising marks the replica unhealthy and restarts it."""

@@ -81,3 +81,7 @@ class ServerStats:
     in_flight_request_ids: list[str] = field(default_factory=list)
     engine_unfinished_requests: int = 0  # requests the vLLM engine itself still tracks
     kv_transfer: dict = field(default_factory=dict)  # the connector's counters (disaggregated pools)
+    # Expert-parallel groups: the group's totals above, each rank's own stats here.
+    ranks: list["ServerStats"] = field(default_factory=list)
+    routed_tokens_per_expert: dict = field(default_factory=dict)  # global expert id -> tokens
+    process_id: int = 0

@@ -37,6 +37,9 @@ REDUCE_SCATTERV_PARAMS = ("self", "input_", "dim", "sizes")
 EXPERTS_APPLY_PARAMS = ("self", "hidden_states", "topk_weights", "topk_ids", "expert_map",
                         "apply_router_weight_on_input")
 _PATCH_MARK = "__moe_serve_ep_compat__"
+# (token, expert) assignments this worker's experts computed, by global expert id, summed over
+# MoE layers. Includes the dummy tokens of idle ranks' keep-alive batches (a few per step).
+_routed_tokens: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------- pure tensor functions
@@ -92,6 +95,13 @@ def reduce_scatterv_via_allreduce(
     summed = all_reduce(rows)  # [sum(sizes), ...]
     start = sum(sizes[:rank])
     return summed[start : start + sizes[rank]].movedim(0, dim).contiguous()  # [.., sizes[rank], ..]
+
+
+def count_local_routes(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """Per global expert id: how many (token, slot) pairs route to an expert held here."""
+    ids = topk_ids.long()
+    local = ids[expert_map[ids] >= 0]
+    return torch.bincount(local.flatten(), minlength=expert_map.numel())
 
 
 def localize_topk(
@@ -195,6 +205,7 @@ def _patch_cpu_experts() -> None:
         arguments = bound.arguments
         expert_map = arguments.get("expert_map")
         if expert_map is not None:
+            _record_routes(arguments["topk_ids"], expert_map)
             ids, weights = localize_topk(arguments["topk_ids"], arguments["topk_weights"], expert_map)
             if arguments.get("apply_router_weight_on_input"):
                 # top-1 with the weight already in hidden_states: the kernel ignores weights,
@@ -214,6 +225,12 @@ def _patch_cpu_experts() -> None:
         "Patched CPUUnquantizedExperts.apply: vLLM's CPU kernel ignores expert_map, so global "
         "expert ids are localized (non-local slots get weight 0) before the original runs"
     )
+
+
+def _record_routes(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> None:
+    global _routed_tokens
+    counts = count_local_routes(topk_ids, expert_map)
+    _routed_tokens = counts if _routed_tokens is None else _routed_tokens + counts
 
 
 def apply_patches() -> None:
@@ -248,3 +265,10 @@ class CpuExpertParallelCompat:
                 local_expert_ids=manager.get_local_expert_ids(),
             ))
         return records
+
+    def routed_tokens_per_expert(self) -> dict[int, int]:
+        """Cumulative (token, expert) assignments computed by this worker, by global expert id
+        (only the experts it holds appear)."""
+        if _routed_tokens is None:
+            return {}
+        return {int(e): int(n) for e, n in enumerate(_routed_tokens.tolist()) if n}

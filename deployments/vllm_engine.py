@@ -117,6 +117,10 @@ class VLLMEngine:
     async def check_health(self) -> None:
         await self._llm.check_health()
 
+    async def collective_rpc(self, method: str) -> list:
+        """Call a worker-extension method on every worker of this engine (one result each)."""
+        return await self._llm.collective_rpc(method)
+
     def unfinished_requests(self) -> int:
         """Requests the engine front-end still tracks (0 once every request finished or aborted)."""
         return self._llm.output_processor.get_num_unfinished_requests()

@@ -42,8 +42,13 @@ class MoeServeConnector(KVConnectorBase_V1):
         self._settings = ConnectorSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker = None
+        self._releaser = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._settings, vllm_config.cache_config.block_size)
+            from kv_transfer.releaser import BackgroundReleaser
+
+            self._releaser = BackgroundReleaser(self._settings.transfer_timeout_s)
+            self._scheduler = SchedulerSide(self._settings, vllm_config.cache_config.block_size,
+                                            release_now=self._releaser.submit)
         else:
             from kv_transfer.connector_worker import WorkerSide
 
@@ -99,3 +104,5 @@ class MoeServeConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._releaser is not None:
+            self._releaser.shutdown()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kv_transfer.params import CONSUME_KEY, PRODUCE_KEY, TransferParams
 from kv_transfer.settings import ConnectorSettings
@@ -50,10 +50,14 @@ class StepPlan:
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, block_size_tokens: int):
+    """`release_now`: frees a prefill's lease without waiting for an engine step (see finished)."""
+
+    def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
+                 release_now: Callable[[TransferParams], None] | None = None):
         self._settings = settings
         self._block_size = block_size_tokens
         self._plan = StepPlan()
+        self._release_now = release_now
 
     # -- decode role --------------------------------------------------------------------------
 
@@ -86,8 +90,14 @@ class SchedulerSide:
             return False, None
         if params.get(CONSUME_KEY):
             # Decode side, aborted before blocks were allocated: the prefill still holds a lease.
+            # Not via the step plan: an engine with no other request runs no further step, and
+            # the release would wait in the plan until the next request arrives (seen in CI).
             params[CONSUME_KEY] = False
-            self._plan.releases.append(TransferParams.from_engine(params))
+            transfer = TransferParams.from_engine(params)
+            if self._release_now is not None:
+                self._release_now(transfer)
+            else:
+                self._plan.releases.append(transfer)
             return False, None
         if not params.get(PRODUCE_KEY) or not normally or not block_ids:
             return False, None

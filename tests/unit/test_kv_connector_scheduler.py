@@ -210,3 +210,14 @@ def test_take_plan_hands_over_everything_once_and_resets(side):
     assert len(plan.releases) == 1
     assert empty(side.take_plan())
     assert empty(side.take_plan())
+
+
+def test_aborted_decode_request_is_released_at_once_not_in_a_step_plan_that_may_never_run():
+    """An engine with no other request runs no further step; the release must not wait for one."""
+    released: list[TransferParams] = []
+    side = SchedulerSide(SETTINGS, 16, release_now=released.append)
+    transfer = remote_params()
+    request = decode_request(transfer=transfer)
+    assert side.finished(request, [], normally=False) == (False, None)
+    assert released == [transfer]
+    assert empty(side.take_plan())

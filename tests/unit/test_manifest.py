@@ -60,7 +60,7 @@ def test_local_manifest_values():
     assert manifest.name == "moe-local"
     assert manifest.accelerator is Accelerator.cpu
     assert manifest.model.path == "builtin://tiny-qwen3-moe"
-    assert [n.name for n in manifest.local_cluster.nodes] == ["head", "prefill-0", "decode-0"]
+    assert [n.name for n in manifest.local_cluster.nodes] == ["head", "prefill-0", "decode-0", "decode-1"]
     assert manifest.disaggregated
     prefill, decode = manifest.pool("prefill"), manifest.pool("decode")
     assert (prefill.role, decode.role) == (PoolRole.prefill, PoolRole.decode)
@@ -71,6 +71,10 @@ def test_local_manifest_values():
     # Decode must not satisfy prompts from its own prefix cache, or the transfer tests prove nothing.
     assert prefill.engine.enable_prefix_caching and not decode.engine.enable_prefix_caching
     assert prefill.engine.block_size == decode.engine.block_size
+    # The default shows expert shards too: decode is a 2-rank group, one rank per decode node.
+    assert prefill.expert_parallel is None
+    assert (decode.expert_parallel.size, decode.expert_parallel.placement_strategy) == (2, "STRICT_SPREAD")
+    assert manifest.model.dtype == "float32"  # token-identical EP (see the manifest's comment)
     kv = manifest.kv_transfer
     assert (kv.backend, kv.lease_s, kv.transfer_timeout_s, kv.failure_policy) == ("tcp", 30, 5, "recompute")
     assert kv.allow_fault_injection
@@ -137,7 +141,7 @@ def test_duplicate_pool_names():
 def test_duplicate_local_node_names():
     issue = only_issue(broken(LOCAL, lambda d: d["local_cluster"]["nodes"].append({"name": "head"})))
     assert issue.field == "local_cluster.nodes[].name"
-    assert issue.value == ["head", "prefill-0", "decode-0", "head"]
+    assert issue.value == ["head", "prefill-0", "decode-0", "decode-1", "head"]
 
 
 def test_node_labels_matching_no_local_node():

@@ -79,8 +79,9 @@ def test_local_manifest_plan_fits():
     plan = make_plan(load_manifest(LOCAL))
     assert plan.warnings == []
     assert [(p.name, p.role, [r.node for r in p.replicas]) for p in plan.pools] == [
-        ("prefill", "prefill", ["prefill-0"]), ("decode", "decode", ["decode-0"])]
-    assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "prefill-0": 1, "decode-0": 1}
+        ("prefill", "prefill", ["prefill-0"]), ("decode", "decode", ["decode-0", "decode-1"])]
+    assert [r.rank for r in plan.pools[1].replicas] == [0, 1]
+    assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "prefill-0": 1, "decode-0": 1, "decode-1": 1}
     assert plan.endpoint_url == "http://127.0.0.1:8000"
     assert plan.kv_transfer == ("decode pulls prompt KV from prefill over tcp; lease 30s, "
                                 "timeout 5s, on failure: recompute")
@@ -137,7 +138,7 @@ def test_render_plan_lists_every_pool_replica_and_node():
     ])
     text = render_plan(make_plan(manifest))
     rows = [line.split() for line in text.splitlines() if line.startswith(("alpha", "beta"))]
-    assert [tuple(r[:4]) for r in rows] == [
+    assert [(r[0], r[1], r[2], r[5]) for r in rows] == [
         ("alpha", "prefill", "0", "e0"), ("alpha", "prefill", "1", "e1"), ("beta", "decode", "0", "head")]
     assert "application t: model m" in text
     assert "ingress      on head" in text
@@ -168,7 +169,7 @@ def test_disaggregated_plan_renders_kv_transfer_and_places_each_role_on_its_node
     lines = text.splitlines()
     # The transfer path is stated in the header, after the ingress and before the replica table.
     assert lines.index(f"kv transfer  {expected_line}") == lines.index("ingress      on head") + 1
-    rows = [line.split()[:4] for line in lines if line.startswith(("pre ", "dec "))]
+    rows = [[c for i, c in enumerate(line.split()) if i in (0, 1, 2, 5)] for line in lines if line.startswith(("pre ", "dec "))]
     assert rows == [["pre", "prefill", "0", "p0"], ["pre", "prefill", "1", "p1"], ["pre", "prefill", "2", "p0"],
                     ["dec", "decode", "0", "d0"], ["dec", "decode", "1", "d0"]]
     assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "p0": 2, "p1": 1, "d0": 2}
@@ -205,7 +206,7 @@ def test_cli_plan_every_manifest(path, no_checkpoints, capsys):
     manifest = load_manifest(path)
     assert f"application {manifest.name}: model {manifest.model.name}" in out
     for pool in manifest.pools:
-        assert sum(line.startswith(pool.name) for line in out.splitlines()) == pool.replicas
+        assert sum(line.startswith(pool.name + " ") for line in out.splitlines()) == pool.replicas * pool.ranks_per_replica
     assert not no_checkpoints.exists()  # plan never builds a checkpoint
 
 
@@ -222,8 +223,8 @@ def test_cli_plan_reads_facts_of_a_built_checkpoint(no_checkpoints, capsys):
     (ckpt / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}))
     assert main(["plan", str(LOCAL)]) == 0
-    # 1 GiB CPU KV cache / 1024 bytes per token
-    assert "1,048,576 tokens" in capsys.readouterr().out
+    # 1 GiB CPU KV cache / (2 x 4 layers x 2 heads x 32 dims x 4 bytes (float32) per token)
+    assert "524,288 tokens" in capsys.readouterr().out
 
 
 def test_cli_plan_broken_manifest_exits_2_with_the_issue(tmp_path, capsys):
@@ -242,3 +243,59 @@ def test_cli_plan_broken_manifest_exits_2_with_the_issue(tmp_path, capsys):
 def test_cli_plan_missing_file_exits_2(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+EP_POOL = {"name": "dec", "role": "colocated", "replicas": 2, "placement": {"node_labels": {"role": "engine"}},
+           "expert_parallel": {"size": 2}}
+TINY_FACTS = ModelFacts(weight_bytes=1000, num_layers=4, kv_bytes_per_token=1024, num_experts=8,
+                        expert_weight_bytes=800)
+
+
+def test_expert_parallel_plan_places_each_rank_of_a_group_on_its_own_node_with_its_experts():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[EP_POOL])
+    plan = make_plan(manifest, TINY_FACTS)
+    (pool,) = plan.pools
+    rows = [(r.replica_index, r.rank, r.node, r.experts, r.weight_bytes) for r in pool.replicas]
+    assert rows == [(0, 0, "e0", (0, 3), 600), (0, 1, "e1", (4, 7), 600),
+                    (1, 0, "e1", (0, 3), 600), (1, 1, "e0", (4, 7), 600)]
+    assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "e0": 2, "e1": 2}
+    assert "EPLB unavailable" in pool.expert_parallel
+    text = render_plan(plan)
+    assert "experts      pool dec: 2 ranks per replica" in text
+    assert [line.split()[3:6] for line in text.splitlines() if line.startswith("dec ")] == [
+        ["0", "0-3", "e0"], ["1", "4-7", "e1"], ["0", "0-3", "e1"], ["1", "4-7", "e0"]]
+
+
+def test_uneven_expert_split_gives_the_first_ranks_one_more_and_warns():
+    manifest = cpu_manifest(nodes=THREE_NODES, pools=[{**EP_POOL, "replicas": 1,
+                                                       "expert_parallel": {"size": 3, "placement_strategy": "PACK"}}])
+    plan = make_plan(manifest, TINY_FACTS)
+    assert [r.experts for r in plan.pools[0].replicas] == [(0, 2), (3, 5), (6, 7)]
+    assert any("do not split evenly" in w for w in plan.warnings)
+
+
+def test_builtin_checkpoint_facts_count_routed_expert_bytes(tmp_path):
+    from cluster.checkpoints import resolve_model_path
+
+    facts = read_model_facts(resolve_model_path("builtin://tiny-qwen3-moe"), "bfloat16")
+    assert facts.num_experts == 8
+    assert 0.5 * facts.weight_bytes < facts.expert_weight_bytes < facts.weight_bytes
+
+
+@pytest.mark.parametrize("change, field, fix", [
+    ({"expert_parallel": {"size": 2, "enable_eplb": True}}, "pools[0].expert_parallel.enable_eplb", "enable_eplb: false"),
+    ({"expert_parallel": {"size": 2, "num_redundant_experts": 4}}, "pools[0].expert_parallel.num_redundant_experts",
+     "enable_eplb"),
+    ({"expert_parallel": {"size": 3}}, "pools[0].expert_parallel.size", "PACK"),
+    ({"expert_parallel": {"size": 2}, "engine": {"tensor_parallel_size": 2}}, "pools[0].engine.tensor_parallel_size",
+     "tensor_parallel_size: 1"),
+    ({"expert_parallel": {"size": 1}}, "pools.0.expert_parallel.size", ""),
+])
+def test_bad_expert_parallel_settings_name_the_field_and_the_fix(change, field, fix):
+    from cluster.manifest import ManifestError
+
+    with pytest.raises(ManifestError) as caught:
+        cpu_manifest(nodes=THREE_NODES, pools=[{**EP_POOL, **change}])
+    issue = next(i for i in caught.value.issues if i.field.replace("[", ".").replace("]", "") ==
+                 field.replace("[", ".").replace("]", ""))
+    assert fix in issue.fix

@@ -311,3 +311,11 @@ def test_changed_signature_raises_runtime_error(monkeypatch):
     monkeypatch.setattr(DeviceCommunicatorBase, "all_gatherv", renamed)
     with pytest.raises(RuntimeError, match="DeviceCommunicatorBase.all_gatherv"):
         compat.apply_patches()
+
+
+def test_count_local_routes_counts_only_the_experts_this_rank_holds():
+    from deployments.vllm_cpu_ep_compat import count_local_routes
+
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # this rank holds experts 2 and 3
+    topk_ids = torch.tensor([[0, 2], [3, 2], [1, 0]], dtype=torch.int32)
+    assert count_local_routes(topk_ids, expert_map).tolist() == [0, 0, 2, 1]

@@ -1,0 +1,314 @@
+"""An expert-parallel engine group: one Serve replica = N vLLM ranks on N placement-group bundles.
+
+Rank 0 runs inside this replica (bundle 0, where Serve put it); ranks 1..N-1 are Ray actors
+(LLMServer, the same server class) pinned to bundles 1..N-1 of the replica's placement group,
+so the manifest's placement strategy spreads them over nodes. This replica does the rank
+assignment and rendezvous (rank 0's address and a free RPC port), routes each request to one
+rank (deployments/expert_ranks.pick_rank) and relays its stream.
+
+Gang semantics: the ranks of a group are only useful together (every MoE layer is a
+collective over all of them). When any rank dies, the group is broken: every in-flight request
+fails at once with a retriable error (surviving ranks would otherwise wait inside a collective
+for a peer that is gone), new requests are refused, and check_health fails so Serve replaces
+the whole replica; its rank actors die with it (Ray kills actors whose owner is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from deployments.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
+from deployments.llm_server import LLMServer, _node_ip
+from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+class GroupBroken(RuntimeError):
+    """A rank of this engine group died; the group cannot serve until Serve replaces it."""
+
+
+class ExpertParallelGroup:
+    """`expert_parallel`: the pool's ExpertParallelSpec as a dict; `rank_options`: Ray actor
+    options for ranks 1..N-1 (their CPUs/GPUs and environment); `accelerator`: cpu or gpu."""
+
+    def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None,
+                 expert_parallel: dict, rank_options: dict, accelerator: str,
+                 pool_name: str = "engine", remote_rank_factory: Callable[..., Any] | None = None,
+                 local_server_factory: Callable[..., Any] = LLMServer):
+        self._size = int(expert_parallel["size"])
+        self._failure_timeout_s = float(expert_parallel.get("rank_failure_timeout_s", 5.0))
+        self._pool = pool_name
+        address = _node_ip()
+        rpc_port = _free_port(address)
+
+        def spec(rank: int) -> dict:
+            return rank_engine_spec(engine, size=self._size, rank=rank, address=address, rpc_port=rpc_port,
+                                    accelerator=accelerator, enable_eplb=expert_parallel.get("enable_eplb", False),
+                                    num_redundant_experts=expert_parallel.get("num_redundant_experts", 0))
+
+        started = time.monotonic()
+        factory = remote_rank_factory or _ray_rank_factory(rank_options)
+        # Ranks 1..N-1 start first: rank 0's engine waits in its constructor until every rank
+        # has joined the handshake it hosts (vLLM allows 5 minutes).
+        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer) for rank in range(1, self._size)]
+        self._local = local_server_factory(model, spec(0), model_path, kv_transfer)
+        self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor) for actor in self._remote]
+        self._in_flight = [0] * self._size
+        self._broken: str | None = None
+        self._broken_event = asyncio.Event()
+        self._watchdog: asyncio.Task | None = None
+        self._expert_load_reported: dict[tuple[int, int], int] = {}
+        logger.info("engine group of %d ranks ready in %.1fs (rank 0 at %s:%d)", self._size,
+                    time.monotonic() - started, address, rpc_port)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
+        self._ensure_watchdog()
+        if self._broken:
+            yield self._failure()
+            return
+        rank = pick_rank(self._in_flight)
+        self._in_flight[rank] += 1
+        stream = self._ranks[rank].generate(request).__aiter__()
+        broken = asyncio.ensure_future(self._broken_event.wait())
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(stream.__anext__())
+                done, _ = await asyncio.wait({step, broken}, return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:  # a rank died: this rank may be stuck in a collective
+                    yield self._failure()
+                    return
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:  # the rank serving this request died under it
+                    self._mark_broken(f"rank {rank} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    yield self._failure()
+                    return
+                yield item
+        finally:
+            broken.cancel()
+            self._in_flight[rank] -= 1
+            if step is not None and not step.done():
+                # Cancelling the pending step makes the rank abort the request in its engine.
+                step.cancel()
+                await asyncio.wait({step}, timeout=self._failure_timeout_s)
+            await _close(stream)
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
+        self._ensure_watchdog()
+        if self._broken:
+            return self._failure()
+        rank = pick_rank(self._in_flight)
+        self._in_flight[rank] += 1
+        try:
+            return await self._ranks[rank].prefill(request)
+        except Exception as exc:
+            self._mark_broken(f"rank {rank} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            return self._failure()
+        finally:
+            self._in_flight[rank] -= 1
+
+    async def release(self, transfer_params: dict) -> None:
+        # Any rank's transfer client can release a lease on any prefill engine.
+        await self._local.release(transfer_params)
+
+    # -- health, stats ------------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        self._ensure_watchdog()
+        if self._broken:
+            raise GroupBroken(self._broken)
+        await self._local.check_health()
+
+    async def stats(self) -> ServerStats:
+        per_rank = [await rank.stats() for rank in self._ranks]
+        loads = [await rank.routed_tokens_per_expert() for rank in self._ranks]
+        for stats, load in zip(per_rank, loads):
+            stats.routed_tokens_per_expert = load
+        self._export_expert_load(loads)
+        return group_stats(per_rank, merge_expert_load(loads))
+
+    async def rank_process_ids(self) -> list[int]:
+        """For tests and operators: the process of each rank (index = rank)."""
+        return [os.getpid()] + list(await asyncio.gather(*(rank.process_id() for rank in self._ranks[1:])))
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _failure(self) -> EngineFailure:
+        return EngineFailure(f"expert-parallel engine group unavailable ({self._broken}); "
+                             "it is being restarted, retry the request", retriable=True)
+
+    def _mark_broken(self, reason: str) -> None:
+        if self._broken is None:
+            logger.error("engine group broken: %s; failing its requests, Serve will replace it", reason)
+            self._broken = reason
+            self._broken_event.set()
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None and self._remote:
+            self._watchdog = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Learn of a rank's death at once: each remote rank holds one never-ending call."""
+        waits = {asyncio.ensure_future(rank.wait_forever()): index + 1 for index, rank in enumerate(self._ranks[1:])}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            exc = task.exception()
+            self._mark_broken(f"rank {waits[task]} died ({type(exc).__name__ if exc else 'exited'})")
+
+    def _export_expert_load(self, loads: list[dict[int, int]]) -> None:
+        """Per-rank, per-expert routed tokens as a Prometheus counter (through Ray's metrics)."""
+        counter = _expert_counter()
+        if counter is None:
+            return
+        for rank, load in enumerate(loads):
+            for expert, tokens in load.items():
+                key = (rank, expert)
+                delta = tokens - self._expert_load_reported.get(key, 0)
+                if delta > 0:
+                    counter.inc(delta, tags={"pool": self._pool, "rank": str(rank), "expert": str(expert)})
+                    self._expert_load_reported[key] = tokens
+
+    def __del__(self):
+        for actor in getattr(self, "_remote", []):
+            try:
+                import ray
+
+                ray.kill(actor)
+            except Exception:  # interpreter or Ray shutting down: the owner's death kills them anyway
+                pass
+
+
+def group_stats(per_rank: list[ServerStats], expert_load: dict[int, int]) -> ServerStats:
+    """One ServerStats for the group: counters summed over ranks, each rank kept in `ranks`."""
+    total = ServerStats(replica_id="group[" + ",".join(s.replica_id for s in per_rank) + "]")
+    for stats in per_rank:
+        total.started_total += stats.started_total
+        total.finished_total += stats.finished_total
+        total.aborted_total += stats.aborted_total
+        total.failed_total += stats.failed_total
+        total.in_flight_request_ids += stats.in_flight_request_ids
+        total.engine_unfinished_requests += stats.engine_unfinished_requests
+        for key, value in stats.kv_transfer.items():
+            if isinstance(value, (int, float)):
+                total.kv_transfer[key] = total.kv_transfer.get(key, 0) + value
+    total.in_flight_request_ids.sort()
+    total.ranks = per_rank
+    total.routed_tokens_per_expert = expert_load
+    return total
+
+
+class _LocalRank:
+    def __init__(self, server: Any):
+        self._server = server
+
+    def generate(self, request: EngineRequest) -> AsyncIterator:
+        return self._server.generate(request)
+
+    async def prefill(self, request):
+        return await self._server.prefill(request)
+
+    async def stats(self):
+        return await self._server.stats()
+
+    async def routed_tokens_per_expert(self):
+        return await self._server.routed_tokens_per_expert()
+
+
+class _RemoteRank:
+    """A rank actor seen through the same interface; its streams are Ray streaming generators."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator:
+        refs = self._actor.generate.remote(request)
+        finished = False
+        try:
+            async for ref in refs:
+                yield await ref
+            finished = True
+        finally:
+            if not finished:  # the caller left: cancel, so the rank aborts it in its engine
+                import ray
+
+                ray.cancel(refs)
+
+    async def prefill(self, request):
+        return await self._actor.prefill.remote(request)
+
+    async def stats(self):
+        return await self._actor.stats.remote()
+
+    async def routed_tokens_per_expert(self):
+        return await self._actor.routed_tokens_per_expert.remote()
+
+    async def process_id(self):
+        return await self._actor.process_id.remote()
+
+    async def wait_forever(self):
+        return await self._actor.wait_forever.remote()
+
+
+def _ray_rank_factory(rank_options: dict) -> Callable[..., Any]:
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = get_current_placement_group()
+    if group is None:
+        raise RuntimeError("an expert-parallel replica must run in a placement group (see deployments/builder.py)")
+    actor_cls = ray.remote(LLMServer)
+
+    def start(rank: int, model: dict, engine: dict, model_path: str, kv_transfer: dict | None):
+        return actor_cls.options(
+            name=None, max_concurrency=10_000, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            **rank_options,
+        ).remote(model, engine, model_path, kv_transfer)
+
+    return start
+
+
+_EXPERT_COUNTER = None
+
+
+def _expert_counter():
+    global _EXPERT_COUNTER
+    if _EXPERT_COUNTER is None:
+        try:
+            from ray.util.metrics import Counter
+        except ImportError:  # outside Ray (unit tests with fakes)
+            return None
+        _EXPERT_COUNTER = Counter(
+            "moe_serve_expert_routed_tokens_total",
+            description="(token, expert) assignments computed by each expert of an expert-parallel "
+                        "group, by rank (includes the few dummy tokens of idle ranks' keep-alive steps)",
+            tag_keys=("pool", "rank", "expert"))
+    return _EXPERT_COUNTER
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+async def _close(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except (Exception, asyncio.CancelledError):  # already closed or the rank is gone
+            pass
