@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -139,9 +138,9 @@ class ExpertParallelGroup:
         self._export_expert_load(loads)
         return group_stats(per_rank, merge_expert_load(loads))
 
-    async def rank_process_ids(self) -> list[int]:
-        """For tests and operators: the process of each rank (index = rank)."""
-        return [os.getpid()] + list(await asyncio.gather(*(rank.process_id() for rank in self._ranks[1:])))
+    async def placement(self) -> list[dict]:
+        """Per rank (index = rank): its process, node and the experts its engine holds."""
+        return list(await asyncio.gather(*(rank.placement() for rank in self._ranks)))
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -156,11 +155,23 @@ class ExpertParallelGroup:
             self._broken_event.set()
 
     def _ensure_watchdog(self) -> None:
-        if self._watchdog is None and self._remote:
+        """Started lazily: the constructor may run outside the replica's event loop."""
+        if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch())
+            self._exporter = asyncio.ensure_future(self._export_periodically())
+
+    async def _export_periodically(self, period_s: float = 5.0) -> None:
+        while not self._broken:
+            await asyncio.sleep(period_s)
+            try:
+                await self.stats()
+            except Exception as exc:  # a dying rank: the watchdog reports it
+                logger.debug("expert load export skipped: %s", exc)
 
     async def _watch(self) -> None:
         """Learn of a rank's death at once: each remote rank holds one never-ending call."""
+        if not self._remote:
+            return
         waits = {asyncio.ensure_future(rank.wait_forever()): index + 1 for index, rank in enumerate(self._ranks[1:])}
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -225,6 +236,9 @@ class _LocalRank:
     async def routed_tokens_per_expert(self):
         return await self._server.routed_tokens_per_expert()
 
+    async def placement(self):
+        return await self._server.placement()
+
 
 class _RemoteRank:
     """A rank actor seen through the same interface; its streams are Ray streaming generators."""
@@ -254,8 +268,8 @@ class _RemoteRank:
     async def routed_tokens_per_expert(self):
         return await self._actor.routed_tokens_per_expert.remote()
 
-    async def process_id(self):
-        return await self._actor.process_id.remote()
+    async def placement(self):
+        return await self._actor.placement.remote()
 
     async def wait_forever(self):
         return await self._actor.wait_forever.remote()

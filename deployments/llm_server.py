@@ -110,8 +110,18 @@ class LLMServer:
 
         return merge_expert_load(await self._engine.collective_rpc("routed_tokens_per_expert"))
 
-    def process_id(self) -> int:
-        return os.getpid()
+    async def placement(self) -> dict:
+        """Where this engine runs and, for expert-parallel ranks, which experts it holds
+        (read from the engine's own expert map, per MoE layer)."""
+        try:
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception:  # not inside Ray
+            node_id = None
+        experts = (await self._engine.collective_rpc("local_experts"))[0]
+        weights = (await self._engine.collective_rpc("parameter_bytes"))[0]
+        return {"process_id": os.getpid(), "node_id": node_id, "layers": experts, "parameter_bytes": weights}
 
     async def wait_forever(self) -> None:
         """Never returns: the group's watchdog awaits it to learn at once when this rank dies."""

@@ -272,3 +272,13 @@ class CpuExpertParallelCompat:
         if _routed_tokens is None:
             return {}
         return {int(e): int(n) for e, n in enumerate(_routed_tokens.tolist()) if n}
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of this worker's weights: all of them, and the routed experts' share."""
+        routed_experts_cls = _symbol(_ROUTED_EXPERTS_MODULE, "RoutedExperts")
+        model = self.get_model()
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        experts = sum(p.numel() * p.element_size()
+                      for module in model.modules() if isinstance(module, routed_experts_cls)
+                      for p in module.parameters())
+        return {"total": total, "routed_experts": experts}

@@ -1,0 +1,136 @@
+"""Gang semantics of expert-parallel groups: runs late (file order) because it redeploys the
+session's application with two decode groups, which restarts the decode engines.
+
+Two groups x 2 ranks on decode-0/decode-1. Kill one rank's process: in-flight requests on its
+group fail fast with a retriable error, the other group keeps serving, Serve replaces the
+broken group, and outputs are correct again afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def two_groups(stack):
+    from cluster.manifest import parse_manifest
+    from cluster.serve_control import deploy
+
+    data = yaml.safe_load(stack.manifest_path.read_text())
+    decode = next(p for p in data["pools"] if p["role"] == "decode")
+    decode["replicas"] = 2
+    manifest = parse_manifest(data, "two-groups manifest")
+    deploy(manifest, progress=lambda m: None)
+    # Not restored afterwards: the modules after this one redeploy from the session manifest.
+    return stack, manifest
+
+
+def _rank_actors():
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("class_name", "=", "LLMServer"), ("state", "=", "ALIVE")])]
+
+
+def _engine_workers() -> int:
+    """vLLM worker processes alive on this machine (one per engine or rank)."""
+    count = 0
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            count += comm.read_text().startswith("VLLM::Worker")
+        except OSError:  # exited while we looked
+            pass
+    return count
+
+
+def _healthy_decode_replicas(stack) -> int:
+    from ray import serve
+
+    app = serve.status().applications[stack.app_name]
+    deployment = app.deployments["decode"]
+    return deployment.replica_states.get("RUNNING", 0) if deployment.status == "HEALTHY" else 0
+
+
+def _complete(client, stack, prompt, max_tokens, **extra):
+    return client.post(f"{stack.base_url}/v1/completions", json={
+        "model": stack.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True, **extra})
+
+
+def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_groups, reference_outputs):
+    stack, manifest = two_groups
+    bound_s = manifest.pool("decode").expert_parallel.rank_failure_timeout_s + 5
+    actors = _rank_actors()
+    assert len(actors) == 2, actors  # one remote rank (rank 1) per group
+    victim = actors[0]
+
+    killed_at = None
+
+    async def timed(client, i):
+        response = await _complete(client, stack, f"Story {i}: once upon a time", 600, ignore_eos=True)
+        return response.status_code, time.monotonic() - killed_at, response.json()
+
+    async def scenario():
+        nonlocal killed_at
+        async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=32)) as client:
+            # Long requests so that both groups are busy when the rank dies.
+            in_flight = [asyncio.ensure_future(timed(client, i)) for i in range(8)]
+            await asyncio.sleep(3.0)
+            killed_at = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            return await asyncio.gather(*in_flight)
+
+    outcomes = asyncio.run(scenario())
+    failed = [(s, t, body) for s, t, body in outcomes if s != 200]
+    assert failed, "no in-flight request was on the dead group"
+    for status, _, body in failed:
+        assert status == 503 and body["error"]["code"] == "retry", body
+    # The dead group's requests failed within the bound, not after their 1200 tokens.
+    assert max(t for _, t, _ in failed) < bound_s, failed
+    assert len(failed) < len(outcomes), "the surviving group should have finished its requests"
+
+    # The other group keeps serving while Serve replaces the broken one.
+    with httpx.Client(timeout=120) as client:
+        deadline = time.monotonic() + bound_s
+        while True:  # until the broken group is out of rotation (its health check failed)
+            response = _complete(client, stack, COMPLETION_PROMPTS["short"], MAX_TOKENS)
+            if response.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert response.status_code == 200, response.text
+        for _ in range(4):
+            response = _complete(client, stack, COMPLETION_PROMPTS["short"], MAX_TOKENS)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["token_ids"] == reference_outputs["short"]["token_ids"]
+
+        # Serve restarts the broken group; afterwards both groups serve correct outputs again.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (_healthy_decode_replicas(stack) < 2 or len(_rank_actors()) < 2):
+            time.sleep(2)
+        assert _healthy_decode_replicas(stack) == 2
+        assert victim.actor_id not in {a.actor_id for a in _rank_actors()}
+        # The broken group's surviving rank did not linger: 1 prefill + 2 groups x 2 ranks.
+        deadline = time.monotonic() + 30
+        while _engine_workers() != 5 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _engine_workers() == 5
+
+    async def after_restart():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(_complete(client, stack, COMPLETION_PROMPTS[name], MAX_TOKENS)
+                                          for name in ("short", "long") for _ in range(4)))
+
+    for response, name in zip(asyncio.run(after_restart()), ["short"] * 4 + ["long"] * 4):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"]
