@@ -164,6 +164,17 @@ class HTTPSpec(_Strict):
     """Replicas of the OpenAI ingress (tokenization and validation)."""
 
 
+class ObservabilitySpec(_Strict):
+    """Metrics and the local Prometheus that `moe-serve up` starts next to the cluster."""
+
+    metrics: bool = True
+    """Export moe-serve's and vLLM's Prometheus metrics through Ray's metrics pipeline."""
+    prometheus_port: Annotated[int, Field(ge=1, le=65535)] = 9090
+    """Port of the local Prometheus (`moe-serve up` only)."""
+    scrape_interval_s: Annotated[float, Field(ge=1, le=300)] = 5.0
+    """How often Prometheus scrapes Ray's metrics endpoints."""
+
+
 class KVTransferSpec(_Strict):
     """How decode pulls KV cache from prefill (disaggregated manifests)."""
 
@@ -210,6 +221,7 @@ class Manifest(_Strict):
     slo: SLOSpec = Field(default_factory=SLOSpec)
     http: HTTPSpec = Field(default_factory=HTTPSpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
     local_cluster: LocalClusterSpec | None = None
 
     @model_validator(mode="after")

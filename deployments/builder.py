@@ -87,7 +87,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
             graceful_shutdown_timeout_s=5,
             **expert_group_options(manifest, pool),
         ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool.expert_parallel.model_dump(),
-               rank_options, manifest.accelerator.value, pool.name)
+               rank_options, manifest.accelerator.value, pool.name, metrics=manifest.observability.metrics)
     return serve.deployment(LLMServer).options(
         name=pool.name,
         num_replicas=pool.replicas,
@@ -97,7 +97,8 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
-    ).bind(model, pool.engine.model_dump(), model_path, kv_transfer)
+    ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool=pool.name,
+           metrics=manifest.observability.metrics)
 
 
 def build_app(manifest: Manifest, model_path: str) -> Application:
@@ -120,4 +121,5 @@ def build_app(manifest: Manifest, model_path: str) -> Application:
         ray_actor_options=ingress_options,
         max_ongoing_requests=1024,
     ).bind(engine, model, http, model_path, prefill=prefill,
-           allow_fault_injection=manifest.kv_transfer.allow_fault_injection)
+           allow_fault_injection=manifest.kv_transfer.allow_fault_injection, slo=manifest.slo.model_dump(),
+           metrics=manifest.observability.metrics)

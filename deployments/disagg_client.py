@@ -33,8 +33,9 @@ class DisaggregatedEngineClient:
         self._decode = HandleEngineClient(decode_handle)
         self._allow_fault_injection = allow_fault_injection
 
-    async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False
-                     ) -> AsyncIterator[TokenDelta | EngineFailure]:
+    async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False,
+                     trace: Any = None) -> AsyncIterator[TokenDelta | EngineFailure]:
+        """`trace`: the ingress's monitoring.request_metrics.RequestTrace, told when prefill is done."""
         prefill_task = asyncio.ensure_future(self._prefill.prefill.remote(request))
         try:
             prefill = await asyncio.shield(prefill_task)
@@ -47,6 +48,8 @@ class DisaggregatedEngineClient:
         if isinstance(prefill, EngineFailure):
             yield prefill
             return
+        if trace is not None:
+            trace.mark_prefill_done()
         assert isinstance(prefill, PrefillResult)
         params = dict(prefill.transfer_params)
         if inject_transfer_failure and self._allow_fault_injection:

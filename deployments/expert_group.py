@@ -40,7 +40,11 @@ class ExpertParallelGroup:
     def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None,
                  expert_parallel: dict, rank_options: dict, accelerator: str,
                  pool_name: str = "engine", remote_rank_factory: Callable[..., Any] | None = None,
-                 local_server_factory: Callable[..., Any] = LLMServer):
+                 local_server_factory: Callable[..., Any] = LLMServer, metrics: bool = True,
+                 metrics_backend: Any = None):
+        from monitoring.exporter import MetricsExporter
+
+        self._exporter = MetricsExporter(metrics, metrics_backend)
         self._size = int(expert_parallel["size"])
         self._failure_timeout_s = float(expert_parallel.get("rank_failure_timeout_s", 5.0))
         self._pool = pool_name
@@ -56,14 +60,18 @@ class ExpertParallelGroup:
         factory = remote_rank_factory or _ray_rank_factory(rank_options)
         # Ranks 1..N-1 start first: rank 0's engine waits in its constructor until every rank
         # has joined the handshake it hosts (vLLM allows 5 minutes).
-        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer) for rank in range(1, self._size)]
-        self._local = local_server_factory(model, spec(0), model_path, kv_transfer)
+        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, rank=rank,
+                                metrics=metrics) for rank in range(1, self._size)]
+        self._local = local_server_factory(model, spec(0), model_path, kv_transfer, pool=pool_name, rank=0,
+                                           metrics=metrics)
         self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor) for actor in self._remote]
         self._in_flight = [0] * self._size
         self._broken: str | None = None
         self._broken_event = asyncio.Event()
         self._watchdog: asyncio.Task | None = None
-        self._expert_load_reported: dict[tuple[int, int], int] = {}
+        from monitoring.exporter import CounterMirror
+
+        self._expert_mirror = CounterMirror(self._exporter)
         logger.info("engine group of %d ranks ready in %.1fs (rank 0 at %s:%d)", self._size,
                     time.monotonic() - started, address, rpc_port)
 
@@ -74,8 +82,7 @@ class ExpertParallelGroup:
         if self._broken:
             yield self._failure()
             return
-        rank = pick_rank(self._in_flight)
-        self._in_flight[rank] += 1
+        rank = self._route()
         stream = self._ranks[rank].generate(request).__aiter__()
         broken = asyncio.ensure_future(self._broken_event.wait())
         step: asyncio.Future | None = None
@@ -108,8 +115,7 @@ class ExpertParallelGroup:
         self._ensure_watchdog()
         if self._broken:
             return self._failure()
-        rank = pick_rank(self._in_flight)
-        self._in_flight[rank] += 1
+        rank = self._route()
         try:
             return await self._ranks[rank].prefill(request)
         except Exception as exc:
@@ -144,15 +150,26 @@ class ExpertParallelGroup:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _route(self) -> int:
+        from monitoring import metrics as m
+
+        rank = pick_rank(self._in_flight)
+        self._in_flight[rank] += 1
+        self._exporter.inc(m.ROUTED_REQUESTS, pool=self._pool, rank=str(rank))
+        return rank
+
     def _failure(self) -> EngineFailure:
         return EngineFailure(f"expert-parallel engine group unavailable ({self._broken}); "
                              "it is being restarted, retry the request", retriable=True)
 
     def _mark_broken(self, reason: str) -> None:
         if self._broken is None:
+            from monitoring import metrics as m
+
             logger.error("engine group broken: %s; failing its requests, Serve will replace it", reason)
             self._broken = reason
             self._broken_event.set()
+            self._exporter.inc(m.GROUP_FAILURES, pool=self._pool)
 
     def _ensure_watchdog(self) -> None:
         """Started lazily: the constructor may run outside the replica's event loop."""
@@ -180,16 +197,11 @@ class ExpertParallelGroup:
 
     def _export_expert_load(self, loads: list[dict[int, int]]) -> None:
         """Per-rank, per-expert routed tokens as a Prometheus counter (through Ray's metrics)."""
-        counter = _expert_counter()
-        if counter is None:
-            return
+        from monitoring import metrics as m
+
         for rank, load in enumerate(loads):
             for expert, tokens in load.items():
-                key = (rank, expert)
-                delta = tokens - self._expert_load_reported.get(key, 0)
-                if delta > 0:
-                    counter.inc(delta, tags={"pool": self._pool, "rank": str(rank), "expert": str(expert)})
-                    self._expert_load_reported[key] = tokens
+                self._expert_mirror.update(m.EXPERT_TOKENS, tokens, pool=self._pool, rank=str(rank), expert=str(expert))
 
     def __del__(self):
         for actor in getattr(self, "_remote", []):
@@ -285,32 +297,14 @@ def _ray_rank_factory(rank_options: dict) -> Callable[..., Any]:
         raise RuntimeError("an expert-parallel replica must run in a placement group (see deployments/builder.py)")
     actor_cls = ray.remote(LLMServer)
 
-    def start(rank: int, model: dict, engine: dict, model_path: str, kv_transfer: dict | None):
+    def start(rank: int, model: dict, engine: dict, model_path: str, kv_transfer: dict | None, **server_kwargs):
         return actor_cls.options(
             name=None, max_concurrency=10_000, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
             **rank_options,
-        ).remote(model, engine, model_path, kv_transfer)
+        ).remote(model, engine, model_path, kv_transfer, **server_kwargs)
 
     return start
-
-
-_EXPERT_COUNTER = None
-
-
-def _expert_counter():
-    global _EXPERT_COUNTER
-    if _EXPERT_COUNTER is None:
-        try:
-            from ray.util.metrics import Counter
-        except ImportError:  # outside Ray (unit tests with fakes)
-            return None
-        _EXPERT_COUNTER = Counter(
-            "moe_serve_expert_routed_tokens_total",
-            description="(token, expert) assignments computed by each expert of an expert-parallel "
-                        "group, by rank (includes the few dummy tokens of idle ranks' keep-alive steps)",
-            tag_keys=("pool", "rank", "expert"))
-    return _EXPERT_COUNTER
 
 
 def _free_port(host: str) -> int:

@@ -7,6 +7,7 @@ it with any engine that has VLLMEngine's interface.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -26,11 +27,18 @@ class LLMServer:
     the replica completes it with the address its engine's connector serves blocks on."""
 
     def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None = None,
-                 engine_factory: Callable[..., Any] | None = None):
+                 engine_factory: Callable[..., Any] | None = None, pool: str = "engine", rank: int = 0,
+                 metrics: bool = True, metrics_backend: Any = None):
+        """`pool`, `rank`: metric labels; `metrics`: export Prometheus metrics (ours and vLLM's)."""
+        from monitoring.engine_metrics import EngineServerMetrics
+        from monitoring.exporter import MetricsExporter
+
+        self._metrics = EngineServerMetrics(MetricsExporter(metrics, metrics_backend), pool, rank)
+        self._exporting: asyncio.Task | None = None
         if engine_factory is None:
             from deployments.vllm_engine import VLLMEngine
 
-            engine_factory = VLLMEngine.start
+            engine_factory = functools.partial(VLLMEngine.start, ray_metrics=metrics)
         self._stats = ServerStats(replica_id=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
         self._kv = connector_settings(kv_transfer, self._stats.replica_id) if kv_transfer else None
         self._kv_client = None
@@ -46,6 +54,7 @@ class LLMServer:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
         """Stream deltas; if the caller goes away (cancel/close) the engine request is aborted."""
+        self._ensure_exporting()
         self._stats.started_total += 1
         self._in_flight.add(request.request_id)
         finished = False
@@ -103,6 +112,22 @@ class LLMServer:
             self._stats.kv_transfer = await asyncio.to_thread(
                 self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
         return self._stats
+
+    def _ensure_exporting(self) -> None:
+        """Started on first use: the constructor may run outside the replica's event loop."""
+        if self._exporting is None and self._metrics.enabled:
+            self._exporting = asyncio.ensure_future(self._export_periodically())
+
+    async def _export_periodically(self, period_s: float = 5.0) -> None:
+        while True:
+            try:
+                kv = {}
+                if self._kv_client is not None:
+                    kv = await asyncio.to_thread(self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
+                self._metrics.export(len(self._in_flight), kv)
+            except Exception as exc:  # the engine is starting or stopping: try again next period
+                logger.debug("metrics export skipped: %s", exc)
+            await asyncio.sleep(period_s)
 
     async def routed_tokens_per_expert(self) -> dict[int, int]:
         """Expert-parallel ranks: tokens routed to the experts this engine holds (see the shim)."""

@@ -7,6 +7,7 @@ can take the ingress down for other clients.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -25,14 +26,21 @@ from deployments.records import EngineFailure, EngineRequest, SamplingSpec, Toke
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
+# Routes whose requests are counted and timed (monitoring/request_metrics.py), by metric label.
+GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
+                     ("POST", "/v1/chat/completions"): "chat_completions"}
 
 
 class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
-                 prefill: Any = None, allow_fault_injection: bool = False):
-        """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated."""
+                 prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
+                 metrics: Any = None):
+        """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
+        metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter."""
         from deployments.engine_client import as_engine_client
         from deployments.tokenizer import PromptTokenizer
+        from monitoring.exporter import MetricsExporter
+        from monitoring.request_metrics import RequestMetrics
 
         if prefill is not None:
             from deployments.disagg_client import DisaggregatedEngineClient
@@ -45,6 +53,12 @@ class OpenAIIngress:
         self._max_request_bytes: int = http["max_request_bytes"]
         self._tokenizer = tokenizer or PromptTokenizer.from_path(model_path)
         self._created = int(time.time())
+        slo = slo or {"ttft_ms": 2000, "itl_ms": 200}
+        if not isinstance(metrics, MetricsExporter):
+            metrics = MetricsExporter(enabled=metrics is None or bool(metrics))
+        self._metrics = RequestMetrics(metrics,
+                                       ttft_slo_s=slo["ttft_ms"] / 1e3, itl_slo_s=slo["itl_ms"] / 1e3,
+                                       disaggregated=prefill is not None)
         self._routes = {
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): self._completions,
@@ -57,18 +71,28 @@ class OpenAIIngress:
         root = request.scope.get("root_path", "")
         if root and root != "/" and path.startswith(root):
             path = path[len(root):] or "/"
-        handler = self._routes.get((request.method, path.rstrip("/") or "/"))
+        key = (request.method, path.rstrip("/") or "/")
+        handler = self._routes.get(key)
+        trace = self._metrics.start(GENERATION_ROUTES[key]) if key in GENERATION_ROUTES else None
         try:
             if handler is None:
                 if any(p == path.rstrip("/") for _, p in self._routes):
                     raise APIError(405, f"method {request.method} not allowed on {path}", code="method_not_allowed")
                 raise not_found(f"no route {request.method} {path}; see /v1/models, /v1/completions, "
                                 "/v1/chat/completions, /health")
-            return await handler(request)
+            return await (handler(request) if trace is None else handler(request, trace))
         except APIError as exc:
+            if trace is not None:
+                self._metrics.failed(trace, "client_error" if exc.status < 500 else "server_error")
             return JSONResponse(exc.body(), status_code=exc.status)
+        except asyncio.CancelledError:
+            if trace is not None:
+                self._metrics.failed(trace, "cancelled")
+            raise
         except Exception:  # a bug must cost one request, not the service
             logger.exception("unhandled error on %s %s", request.method, path)
+            if trace is not None:
+                self._metrics.failed(trace, "server_error")
             return JSONResponse(server_error("internal error").body(), status_code=500)
 
     # -- routes -------------------------------------------------------------------------------
@@ -85,7 +109,7 @@ class OpenAIIngress:
             return JSONResponse({"status": "unhealthy", "reason": f"{type(exc).__name__}: {exc}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    async def _completions(self, request: Request) -> Response:
+    async def _completions(self, request: Request, trace: Any) -> Response:
         body = parse_request(CompletionRequest, await self._json_body(request))
         self._check_model(body.model)
         if isinstance(body.prompt, str):
@@ -96,18 +120,19 @@ class OpenAIIngress:
                 raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self._tokenizer.vocab_size})", param="prompt")
             prompt_ids = list(body.prompt)
-        return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl",
+        return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl", trace=trace,
                                     options=_test_options(request))
 
-    async def _chat_completions(self, request: Request) -> Response:
+    async def _chat_completions(self, request: Request, trace: Any) -> Response:
         body = parse_request(ChatCompletionRequest, await self._json_body(request))
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = self._tokenizer.encode_chat(messages)
         return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl",
-                                    options=_test_options(request))
+                                    trace=trace, options=_test_options(request))
 
     # -- shared path --------------------------------------------------------------------------
+
 
     async def _json_body(self, request: Request) -> object:
         declared = request.headers.get("content-length")
@@ -143,7 +168,7 @@ class OpenAIIngress:
         return max_tokens
 
     async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
-                        prefix: str, options: dict | None = None) -> Response:
+                        prefix: str, trace: Any, options: dict | None = None) -> Response:
         sampling = SamplingSpec(
             max_tokens=self._budget(len(prompt_ids), max_tokens),
             temperature=float(body.temperature), top_p=float(body.top_p), top_k=max(body.top_k, 0),
@@ -157,17 +182,18 @@ class OpenAIIngress:
             return_token_ids=body.return_token_ids,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
-        stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling), **(options or {}))
+        trace.dispatch()
+        stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling), trace=trace, **(options or {}))
         if body.stream:
             first = await _first_item(stream)
             if isinstance(first, EngineFailure):
                 await stream.aclose()
                 raise server_error(first.message, retriable=first.retriable)
-            return StreamingResponse(self._sse(ctx, first, stream), media_type="text/event-stream",
+            return StreamingResponse(self._sse(ctx, first, stream, trace), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-        return await self._collect(ctx, stream)
+        return await self._collect(ctx, stream, trace)
 
-    async def _collect(self, ctx: out.ResponseContext, stream: AsyncIterator) -> Response:
+    async def _collect(self, ctx: out.ResponseContext, stream: AsyncIterator, trace: Any) -> Response:
         text: list[str] = []
         token_ids: list[int] = []
         finish_reason = None
@@ -175,37 +201,50 @@ class OpenAIIngress:
             async for item in stream:
                 if isinstance(item, EngineFailure):
                     raise server_error(item.message, retriable=item.retriable)
+                trace.on_delta(item)
                 text.append(item.text)
                 token_ids.extend(item.token_ids)
                 finish_reason = item.finish_reason or finish_reason
         finally:
             await stream.aclose()  # also on cancellation: aborts the request in the engine
+        timing = self._metrics.succeeded(trace)
         return JSONResponse(out.full_response(ctx, "".join(text), token_ids, finish_reason),
-                            headers={"X-Request-Id": ctx.request_id})
+                            headers={"X-Request-Id": ctx.request_id, "Server-Timing": timing})
 
-    async def _sse(self, ctx: out.ResponseContext, first: TokenDelta | None, stream: AsyncIterator) -> AsyncIterator[bytes]:
+    async def _sse(self, ctx: out.ResponseContext, first: TokenDelta | None, stream: AsyncIterator,
+                   trace: Any) -> AsyncIterator[bytes]:
         completion_tokens = 0
+        outcome = "cancelled"  # unless the loop below ends otherwise
         try:
             item = first
             is_first = True
             while item is not None:
                 if isinstance(item, EngineFailure):
+                    outcome = "server_error"
                     yield out.sse(server_error(item.message, retriable=item.retriable).body())
                     break
+                trace.on_delta(item)
                 completion_tokens = item.completion_tokens
                 if item.text or item.token_ids or item.finish_reason or (is_first and ctx.chat):
                     yield out.sse(out.stream_chunk(ctx, item.text, item.token_ids, item.finish_reason, first=is_first))
                     is_first = False
                 item = await anext(stream, None)
+            else:
+                outcome = "ok"
             if ctx.include_usage:
                 yield out.sse(out.usage_chunk(ctx, completion_tokens))
             yield out.SSE_DONE
         except Exception:  # headers are sent: a failure mid-stream ends the stream cleanly, as a value
+            outcome = "server_error"
             logger.exception("stream %s failed", ctx.request_id)
             yield out.sse(server_error("internal error").body())
             yield out.SSE_DONE
         finally:
             await stream.aclose()  # on client disconnect this cancels the engine request
+            if outcome == "ok":
+                self._metrics.succeeded(trace)
+            else:
+                self._metrics.failed(trace, outcome)
 
 
 INJECT_KV_FAILURE_HEADER = "x-moe-serve-inject-kv-failure"

@@ -45,11 +45,21 @@ class TokenDelta:
     prompt_tokens: int
     completion_tokens: int  # cumulative
     kv_transfer_params: dict | None = None  # prefill: set on the final delta (TransferParams)
+    engine_timing: "EngineTiming | None" = None  # on the first delta (when the engine logs stats)
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by a later one of the same request, as one delta."""
         return TokenDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
-                          later.prompt_tokens, later.completion_tokens, later.kv_transfer_params)
+                          later.prompt_tokens, later.completion_tokens, later.kv_transfer_params,
+                          self.engine_timing or later.engine_timing)
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """Where the engine spent a request's time before its first token (engine-core clock)."""
+
+    queue_s: float  # waiting queue: queued -> first scheduled
+    first_token_s: float  # first scheduled -> first token (prompt compute, or KV pull + first step)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.records import EngineRequest, SamplingSpec, TokenDelta
+from deployments.records import EngineRequest, EngineTiming, SamplingSpec, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,16 @@ def to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict | None = Non
     )
 
 
+def engine_timing(output: Any) -> EngineTiming | None:
+    """Queue and first-token time from vLLM's per-request stats (None when stats are off)."""
+    stats = getattr(output, "metrics", None)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    first_token = getattr(stats, "first_token_ts", 0.0)
+    if not scheduled or not first_token:
+        return None
+    return EngineTiming(queue_s=max(scheduled - stats.queued_ts, 0.0), first_token_s=max(first_token - scheduled, 0.0))
+
+
 class VLLMEngine:
     """A running vLLM AsyncLLM."""
 
@@ -77,7 +87,8 @@ class VLLMEngine:
 
     @classmethod
     def start(cls, model: dict, engine: dict, model_path: str, *, stat_loggers: list | None = None,
-              kv_connector: dict | None = None) -> "VLLMEngine":
+              kv_connector: dict | None = None, ray_metrics: bool = False) -> "VLLMEngine":
+        """`ray_metrics`: also record vLLM's own metrics (vllm:*) through Ray's metrics pipeline."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,6 +97,10 @@ class VLLMEngine:
         if kv_connector is not None:
             fields["kv_transfer_config"] = kv_transfer_config(kv_connector, kv_connector["failure_policy"])
         args = AsyncEngineArgs(**fields)
+        if ray_metrics:
+            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+            stat_loggers = [*(stat_loggers or []), RayPrometheusStatLogger]
         llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
         return cls(llm, model["max_model_len"])
 
@@ -99,6 +114,7 @@ class VLLMEngine:
             to_sampling_params(request.sampling, request.kv_transfer_params),
             request.request_id,
         )
+        first = True
         async for output in stream:
             completion = output.outputs[0]
             completion_tokens += len(completion.token_ids)
@@ -109,7 +125,9 @@ class VLLMEngine:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 kv_transfer_params=output.kv_transfer_params if output.finished else None,
+                engine_timing=engine_timing(output) if first else None,
             )
+            first = False
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -104,8 +104,45 @@ def deltas(*texts: str, finish: str = "stop", prompt_tokens: int = 0) -> list[To
 HELLO = deltas("Hello", " big", " world", finish="length")
 
 
-def make_client(engine: FakeEngine) -> tuple[TestClient, OpenAIIngress]:
-    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer())
+class FakeMetricsBackend:
+    """ray.util.metrics' interface, recording into `records`: (kind, name, value, tags)."""
+
+    def __init__(self):
+        self.records: list[tuple[str, str, float, dict]] = []
+        backend = self
+
+        class _Metric:
+            def __init__(self, name, description="", tag_keys=(), boundaries=None):
+                self.name, self.tag_keys = name, tuple(tag_keys)
+
+            def _record(self, kind, value, tags):
+                assert set(tags) == set(self.tag_keys), (self.name, tags, self.tag_keys)
+                backend.records.append((kind, self.name, value, dict(tags)))
+
+        class Counter(_Metric):
+            def inc(self, value=1.0, tags=None):
+                self._record("inc", value, tags or {})
+
+        class Gauge(_Metric):
+            def set(self, value, tags=None):
+                self._record("set", value, tags or {})
+
+        class Histogram(_Metric):
+            def observe(self, value, tags=None):
+                self._record("observe", value, tags or {})
+
+        self.Counter, self.Gauge, self.Histogram = Counter, Gauge, Histogram
+
+    def values(self, name: str, **tags) -> list[float]:
+        return [v for _, n, v, t in self.records if n == name and tags.items() <= t.items()]
+
+
+def make_client(engine: FakeEngine, metrics_backend: FakeMetricsBackend | None = None
+                ) -> tuple[TestClient, OpenAIIngress]:
+    from monitoring.exporter import MetricsExporter
+
+    exporter = MetricsExporter(backend=metrics_backend or FakeMetricsBackend())
+    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer(), metrics=exporter)
 
     async def endpoint(request):
         return await ingress(request)

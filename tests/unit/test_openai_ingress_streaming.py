@@ -152,7 +152,7 @@ def test_closing_the_sse_body_closes_the_engine_stream():
     async def scenario():
         stream = engine.stream(EngineRequest("cmpl-x", [1], SamplingSpec(max_tokens=4)))
         first = await anext(stream)
-        body = ingress._sse(ctx, first, stream)
+        body = ingress._sse(ctx, first, stream, ingress._metrics.start("completions"))
         assert b'"text":"a"' in await anext(body)
         assert b'"text":"b"' in await anext(body)
         await body.aclose()

@@ -1,0 +1,113 @@
+"""Every metric moe-serve exports, as plain data: name, kind, help, labels, buckets.
+
+One catalogue shared by the exporters (monitoring/exporter.py), the dashboards, the alert
+rules and the tests, so that a query can only name a metric that exists. Names follow
+Prometheus conventions: base units in the name (`_seconds`, `_bytes`), counters end in
+`_total`, and every label has a bounded set of values (pools, ranks, experts, phases; never
+request ids).
+
+What the exposition adds: Ray's metrics agent serves these from each node; a histogram
+`x_seconds` appears as `x_seconds_bucket`, `x_seconds_sum`, `x_seconds_count`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    counter = "counter"
+    gauge = "gauge"
+    histogram = "histogram"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+# Latencies from a millisecond to two minutes: CPU engines are slow, GPU ones fast.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 40, 80, 120)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
+
+
+class Phase(str, Enum):
+    """Where a request's time goes, measured at the ingress and in the engines; the phases of
+    one request partition its end-to-end latency (`moe_serve_request_e2e_seconds`)."""
+
+    ingress = "ingress"  # HTTP body received -> handed to the engine client (parse, validate, tokenize)
+    prefill = "prefill"  # disaggregated: prefill pool round trip (its queue, prompt compute, the hop)
+    queue = "queue"  # the (decode or colocated) engine's waiting queue: queued -> first scheduled
+    kv_transfer = "kv_transfer"  # disaggregated decode: scheduled -> first token (KV pull + first step)
+    first_token_compute = "first_token_compute"  # colocated: scheduled -> first token (prompt compute)
+    dispatch = "dispatch"  # the rest before the first token: routing, RPC hops, engine front end
+    inter_token = "inter_token"  # first token -> last token (all the decode steps)
+    finish = "finish"  # last token -> response complete
+
+
+REQUESTS = MetricDef("moe_serve_requests_total", Kind.counter,
+                     "Requests answered by the OpenAI ingress, by route and outcome "
+                     "(ok, client_error, server_error, cancelled).", ("route", "outcome"))
+REQUEST_E2E = MetricDef("moe_serve_request_e2e_seconds", Kind.histogram,
+                        "End-to-end latency of successful requests at the ingress (body received -> "
+                        "response complete).", ("route",), LATENCY_BUCKETS)
+REQUEST_PHASE = MetricDef("moe_serve_request_phase_seconds", Kind.histogram,
+                          "Time successful requests spend in each phase; a request's phases sum to its "
+                          "end-to-end latency.", ("phase",), LATENCY_BUCKETS)
+TTFT = MetricDef("moe_serve_time_to_first_token_seconds", Kind.histogram,
+                 "Time to first token at the ingress.", ("route",), LATENCY_BUCKETS)
+TPOT = MetricDef("moe_serve_time_per_output_token_seconds", Kind.histogram,
+                 "Mean inter-token latency of each request after its first token.", ("route",),
+                 TOKEN_LATENCY_BUCKETS)
+PROMPT_TOKENS = MetricDef("moe_serve_prompt_tokens_total", Kind.counter, "Prompt tokens of served requests.",
+                          ("route",))
+GENERATION_TOKENS = MetricDef("moe_serve_generation_tokens_total", Kind.counter,
+                              "Tokens generated for served requests.", ("route",))
+SLO_MET = MetricDef("moe_serve_requests_within_slo_total", Kind.counter,
+                    "Successful requests whose TTFT and mean inter-token latency met the manifest's SLO "
+                    "(goodput).", ("route",))
+
+ENGINE_IN_FLIGHT = MetricDef("moe_serve_engine_requests_in_flight", Kind.gauge,
+                             "Requests an engine replica (or group rank) is serving now.", ("pool", "rank"))
+ROUTED_REQUESTS = MetricDef("moe_serve_group_routed_requests_total", Kind.counter,
+                            "Requests an expert-parallel group routed to each of its ranks.", ("pool", "rank"))
+GROUP_FAILURES = MetricDef("moe_serve_group_failures_total", Kind.counter,
+                           "Expert-parallel groups broken by a dead rank (the group restarts).", ("pool",))
+EXPERT_TOKENS = MetricDef("moe_serve_expert_routed_tokens_total", Kind.counter,
+                          "(token, expert) assignments computed by each expert of an expert-parallel group, "
+                          "by rank (includes the few dummy tokens of idle ranks' keep-alive steps).",
+                          ("pool", "rank", "expert"))
+
+KV_PULLS = MetricDef("moe_serve_kv_pulls_total", Kind.counter,
+                     "KV pulls by decode engines, by outcome (ok, failed).", ("pool", "outcome"))
+KV_PULL_SECONDS = MetricDef("moe_serve_kv_pull_seconds_total", Kind.counter,
+                            "Seconds decode engines spent in successful KV pulls (divide by the ok pulls "
+                            "for the mean pull latency).", ("pool",))
+KV_PULLED_BYTES = MetricDef("moe_serve_kv_pulled_bytes_total", Kind.counter,
+                            "KV cache bytes decode engines pulled from prefill engines.", ("pool",))
+KV_FALLBACKS = MetricDef("moe_serve_kv_fallbacks_total", Kind.counter,
+                         "Failed pulls that decode recomputed (failure_policy: recompute).", ("pool",))
+KV_LEASES_OUTSTANDING = MetricDef("moe_serve_kv_leases_outstanding", Kind.gauge,
+                                  "Prefill leases not yet released (blocks pinned for a decode pull).",
+                                  ("pool", "rank"))
+KV_LEASES_EXPIRED = MetricDef("moe_serve_kv_leases_expired_total", Kind.counter,
+                              "Prefill leases freed by their deadline instead of a release (a decode "
+                              "never pulled or never confirmed).", ("pool",))
+
+CATALOGUE: tuple[MetricDef, ...] = (
+    REQUESTS, REQUEST_E2E, REQUEST_PHASE, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
+    ENGINE_IN_FLIGHT, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
+    KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
+)
+
+
+def exposed_names(metric: MetricDef) -> tuple[str, ...]:
+    """The series names a scrape shows for `metric`."""
+    if metric.kind is Kind.histogram:
+        return tuple(f"{metric.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+    return (metric.name,)

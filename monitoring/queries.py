@@ -1,0 +1,122 @@
+"""The PromQL moe-serve's dashboards, alert rules, `moe-serve report` and the autoscaler use.
+
+Every expression is built from the metric catalogue (monitoring/metrics.py), so a query can
+only name an exported metric; the integration test evaluates every one of them against a real
+Prometheus scraping a real stack and requires data from each.
+
+Names as scraped: Ray's metrics agent prefixes every application metric with `ray_`; vLLM's
+Ray stat logger records `vllm:*` metrics through the same pipeline (`:` becomes `_`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monitoring import metrics as m
+
+RAY_PREFIX = "ray_"
+RATE_WINDOW = "1m"
+
+
+def series(metric: m.MetricDef, suffix: str = "") -> str:
+    """The scraped series name of a catalogue metric (suffix: _bucket, _sum, _count)."""
+    return f"{RAY_PREFIX}{metric.name}{suffix}"
+
+
+def quantile(q: float, metric: m.MetricDef, window: str = RATE_WINDOW, by: str = "") -> str:
+    keys = ", ".join(["le", *filter(None, by.split(","))])
+    return f"histogram_quantile({q}, sum by ({keys}) (rate({series(metric, '_bucket')}[{window}])))"
+
+
+@dataclass(frozen=True)
+class Query:
+    key: str
+    expr: str
+    legend: str  # Grafana legend format
+    unit: str  # Grafana unit id: s, reqps, Bps, short, percentunit, ...
+    title: str
+
+
+# -- overview -----------------------------------------------------------------------------------
+REQUEST_RATE = Query("request_rate", f"sum by (outcome) (rate({series(m.REQUESTS)}[{RATE_WINDOW}]))",
+                     "{{outcome}}", "reqps", "Requests by outcome")
+TTFT_P50 = Query("ttft_p50", quantile(0.5, m.TTFT), "p50", "s", "Time to first token")
+TTFT_P90 = Query("ttft_p90", quantile(0.9, m.TTFT), "p90", "s", "Time to first token")
+TTFT_P99 = Query("ttft_p99", quantile(0.99, m.TTFT), "p99", "s", "Time to first token")
+TPOT_P50 = Query("tpot_p50", quantile(0.5, m.TPOT), "p50", "s", "Inter-token latency (per request mean)")
+TPOT_P90 = Query("tpot_p90", quantile(0.9, m.TPOT), "p90", "s", "Inter-token latency (per request mean)")
+TPOT_P99 = Query("tpot_p99", quantile(0.99, m.TPOT), "p99", "s", "Inter-token latency (per request mean)")
+E2E_P50 = Query("e2e_p50", quantile(0.5, m.REQUEST_E2E), "p50", "s", "End-to-end latency")
+E2E_P99 = Query("e2e_p99", quantile(0.99, m.REQUEST_E2E), "p99", "s", "End-to-end latency")
+GOODPUT = Query("goodput", f"sum(rate({series(m.SLO_MET)}[{RATE_WINDOW}]))", "within SLO", "reqps",
+                "Goodput (requests meeting TTFT and ITL targets)")
+SLO_ATTAINMENT = Query(
+    "slo_attainment",
+    f"sum(rate({series(m.SLO_MET)}[5m])) / sum(rate({series(m.REQUESTS)}{{outcome=\"ok\"}}[5m]))",
+    "attainment", "percentunit", "SLO attainment (share of successful requests within SLO)")
+TOKEN_RATE = Query("token_rate", f"sum(rate({series(m.GENERATION_TOKENS)}[{RATE_WINDOW}]))", "generated",
+                   "short", "Generated tokens per second")
+PHASE_MEAN = Query(
+    "phase_mean",
+    f"sum by (phase) (rate({series(m.REQUEST_PHASE, '_sum')}[{RATE_WINDOW}])) / "
+    f"sum by (phase) (rate({series(m.REQUEST_PHASE, '_count')}[{RATE_WINDOW}]))",
+    "{{phase}}", "s", "Where a request's time goes (mean seconds per phase)")
+
+# -- pools ----------------------------------------------------------------------------------------
+IN_FLIGHT = Query("in_flight", f"sum by (pool, rank) ({series(m.ENGINE_IN_FLIGHT)})", "{{pool}} rank {{rank}}",
+                  "short", "Requests in flight per engine (rank)")
+REPLICAS_HEALTHY = Query("replicas_healthy",
+                         "sum by (deployment) (ray_serve_deployment_replica_healthy)",
+                         "{{deployment}}", "short", "Healthy Serve replicas per deployment")
+SERVE_QUEUED = Query("serve_queued", "sum by (deployment) (ray_serve_deployment_queued_queries)",
+                     "{{deployment}}", "short", "Requests queued at Serve handles")
+ENGINE_RUNNING = Query("engine_running", "sum by (model_name) (ray_vllm_num_requests_running)",
+                       "running", "short", "vLLM requests running")
+ENGINE_WAITING = Query("engine_waiting", "sum by (model_name) (ray_vllm_num_requests_waiting)",
+                       "waiting", "short", "vLLM requests waiting")
+KV_CACHE_USAGE = Query("kv_cache_usage", "max by (ReplicaId) (ray_vllm_kv_cache_usage_perc)",
+                       "{{ReplicaId}}", "percentunit", "vLLM KV cache usage per engine")
+REPLICA_STARTS = Query("replica_starts", "sum by (deployment) (increase(ray_serve_deployment_replica_starts_total[10m]))",
+                       "{{deployment}}", "short", "Replica starts in the last 10 minutes")
+
+# -- KV transfer ----------------------------------------------------------------------------------
+KV_PULL_RATE = Query("kv_pull_rate", f"sum by (pool, outcome) (rate({series(m.KV_PULLS)}[{RATE_WINDOW}]))",
+                     "{{pool}} {{outcome}}", "reqps", "KV pulls by outcome")
+KV_BANDWIDTH = Query("kv_bandwidth", f"sum by (pool) (rate({series(m.KV_PULLED_BYTES)}[{RATE_WINDOW}]))",
+                     "{{pool}}", "Bps", "KV bytes pulled per second")
+KV_PULL_LATENCY = Query(
+    "kv_pull_latency",
+    f"sum by (pool) (rate({series(m.KV_PULL_SECONDS)}[5m])) / "
+    f"sum by (pool) (rate({series(m.KV_PULLS)}{{outcome=\"ok\"}}[5m]))",
+    "{{pool}}", "s", "Mean KV pull latency")
+KV_FAILURES = Query("kv_failures", f"sum by (pool) (increase({series(m.KV_PULLS)}{{outcome=\"failed\"}}[10m]))",
+                    "{{pool}}", "short", "Failed KV pulls in the last 10 minutes")
+KV_FALLBACKS = Query("kv_fallbacks", f"sum by (pool) (increase({series(m.KV_FALLBACKS)}[10m]))",
+                     "{{pool}}", "short", "Pulls recomputed on decode in the last 10 minutes")
+KV_LEASES = Query("kv_leases", f"sum by (pool) ({series(m.KV_LEASES_OUTSTANDING)})", "{{pool}}", "short",
+                  "Prefill leases outstanding")
+KV_LEASES_EXPIRED = Query("kv_leases_expired",
+                          f"sum by (pool) (increase({series(m.KV_LEASES_EXPIRED)}[10m]))", "{{pool}}", "short",
+                          "Leases freed by deadline (stuck) in the last 10 minutes")
+
+# -- experts ----------------------------------------------------------------------------------------
+EXPERT_LOAD = Query("expert_load", f"sum by (pool, expert) (rate({series(m.EXPERT_TOKENS)}[{RATE_WINDOW}]))",
+                    "expert {{expert}}", "short", "Routed tokens per second per expert")
+RANK_LOAD = Query("rank_load", f"sum by (pool, rank) (rate({series(m.EXPERT_TOKENS)}[{RATE_WINDOW}]))",
+                  "{{pool}} rank {{rank}}", "short", "Routed tokens per second per rank")
+EXPERT_IMBALANCE = Query(
+    "expert_imbalance",
+    f"max by (pool) (sum by (pool, expert) (rate({series(m.EXPERT_TOKENS)}[5m]))) / "
+    f"avg by (pool) (sum by (pool, expert) (rate({series(m.EXPERT_TOKENS)}[5m])))",
+    "{{pool}}", "short", "Expert load imbalance (busiest / mean expert)")
+RANK_REQUESTS = Query("rank_requests", f"sum by (pool, rank) (rate({series(m.ROUTED_REQUESTS)}[{RATE_WINDOW}]))",
+                      "{{pool}} rank {{rank}}", "reqps", "Requests routed to each rank")
+GROUP_FAILURES = Query("group_failures", f"sum by (pool) (increase({series(m.GROUP_FAILURES)}[10m]))",
+                       "{{pool}}", "short", "Engine groups broken by a dead rank (last 10 minutes)")
+
+# -- freshness ------------------------------------------------------------------------------------------
+SCRAPE_UP = Query("scrape_up", 'min(up{job="ray"})', "all targets up", "short", "Ray metrics endpoints up")
+METRICS_AGE = Query("metrics_age", f"time() - max(timestamp({series(m.ENGINE_IN_FLIGHT)}))", "age", "s",
+                    "Age of the newest engine metric sample")
+
+ALL: tuple[Query, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Query))

@@ -1,0 +1,86 @@
+"""What the ingress records per request: outcome, latencies, phases, tokens, SLO attainment."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from monitoring import metrics as m
+from monitoring.exporter import MetricsExporter
+from monitoring.phases import RequestMarks, request_phases, server_timing
+
+
+@dataclass
+class RequestTrace:
+    """One request seen from the ingress; fed every delta, finished once."""
+
+    route: str
+    received: float
+    dispatched: float = 0.0
+    prefill_done: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    engine_timing: Any = None  # deployments.records.EngineTiming of the first delta
+    phases: dict = field(default_factory=dict)
+
+    def dispatch(self) -> None:
+        self.dispatched = time.monotonic()
+
+    def mark_prefill_done(self) -> None:
+        self.prefill_done = time.monotonic()
+
+    def on_delta(self, delta: Any) -> None:
+        now = time.monotonic()
+        if delta.token_ids or delta.text:
+            if self.first_token is None:
+                self.first_token = now
+            self.last_token = now
+        if self.engine_timing is None and getattr(delta, "engine_timing", None) is not None:
+            self.engine_timing = delta.engine_timing
+        self.prompt_tokens = delta.prompt_tokens
+        self.completion_tokens = delta.completion_tokens
+
+
+class RequestMetrics:
+    def __init__(self, exporter: MetricsExporter, *, ttft_slo_s: float, itl_slo_s: float, disaggregated: bool):
+        self._exporter = exporter
+        self._ttft_slo_s = ttft_slo_s
+        self._itl_slo_s = itl_slo_s
+        self._disaggregated = disaggregated
+
+    def start(self, route: str) -> RequestTrace:
+        return RequestTrace(route=route, received=time.monotonic())
+
+    def failed(self, trace: RequestTrace, outcome: str) -> None:
+        self._exporter.inc(m.REQUESTS, route=trace.route, outcome=outcome)
+
+    def succeeded(self, trace: RequestTrace) -> str:
+        """Record a completed request; returns its Server-Timing header value."""
+        done = time.monotonic()
+        first = trace.first_token if trace.first_token is not None else done
+        last = trace.last_token if trace.last_token is not None else first
+        marks = RequestMarks(trace.received, trace.dispatched or trace.received, first, last, done, trace.prefill_done)
+        timing = trace.engine_timing
+        phases = request_phases(marks, getattr(timing, "queue_s", None), getattr(timing, "first_token_s", None),
+                                self._disaggregated)
+        trace.phases = phases
+        e2e = done - trace.received
+        ttft = first - trace.received
+        tpot = (last - first) / (trace.completion_tokens - 1) if trace.completion_tokens > 1 else None
+        exporter, route = self._exporter, trace.route
+        if exporter.enabled:
+            exporter.inc(m.REQUESTS, route=route, outcome="ok")
+            exporter.observe(m.REQUEST_E2E, e2e, route=route)
+            exporter.observe(m.TTFT, ttft, route=route)
+            if tpot is not None:
+                exporter.observe(m.TPOT, tpot, route=route)
+            for phase, seconds in phases.items():
+                exporter.observe(m.REQUEST_PHASE, seconds, phase=phase.value)
+            exporter.inc(m.PROMPT_TOKENS, trace.prompt_tokens, route=route)
+            exporter.inc(m.GENERATION_TOKENS, trace.completion_tokens, route=route)
+            if ttft <= self._ttft_slo_s and (tpot is None or tpot <= self._itl_slo_s):
+                exporter.inc(m.SLO_MET, route=route)
+        return server_timing(phases, e2e)
