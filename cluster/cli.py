@@ -5,6 +5,7 @@
     moe-serve deploy MANIFEST      deploy onto a running cluster (works under `ray job submit`)
     moe-serve status               nodes, applications, replicas
     moe-serve down [--app NAME]    remove the application (default: every Serve application)
+    moe-serve report [--since 10m] render the key panels to PNG from Prometheus
 """
 
 from __future__ import annotations
@@ -62,10 +63,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     cluster.start(progress=_progress)
+    prometheus = None
     try:
+        if not args.no_prometheus:
+            from monitoring.alerts import rules_for_manifest
+            from monitoring.local_prometheus import LocalPrometheus
+
+            obs = manifest.observability
+            prometheus = LocalPrometheus(port=obs.prometheus_port, rules=rules_for_manifest(manifest),
+                                         scrape_interval_s=obs.scrape_interval_s).start(progress=_progress)
         connect(cluster.address)
         result = deploy(manifest, progress=_progress)
         _print_ready(result, manifest)
+        if prometheus is not None:
+            print(f"prometheus: {prometheus.url}  (alerts: {prometheus.url}/alerts; "
+                  f"pictures: moe-serve report --prometheus {prometheus.url} --since 10m)\n"
+                  f"grafana: provision monitoring/grafana/provisioning with MOE_SERVE_PROMETHEUS_URL={prometheus.url}",
+                  flush=True)
         print(f"submit jobs with: RAY_AUTH_MODE=token ray job submit --address {cluster.dashboard_url} --working-dir . -- "
               f"moe-serve deploy manifests/local.yaml\nCtrl-C stops the application and the cluster.", flush=True)
         if args.exit_after_ready:
@@ -73,6 +87,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         stop.wait()
         _progress("stopping: deleting the application and shutting down the local cluster")
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         _shutdown(cluster)
     return 0
 
@@ -116,6 +132,28 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from monitoring.prometheus_api import PrometheusAPI, PrometheusError
+    from monitoring.report import parse_duration, render_report
+
+    manifest = _load(args.manifest)
+    try:
+        since_s = parse_duration(args.since)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    api = PrometheusAPI(args.prometheus)
+    try:
+        paths = render_report(api, Path(args.out), since_s=since_s, ttft_slo_s=manifest.slo.ttft_ms / 1e3,
+                              itl_slo_s=manifest.slo.itl_ms / 1e3)
+    except PrometheusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    for path in paths:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gcs-port", type=int, default=6379)
     up.add_argument("--dashboard-port", type=int, default=8265)
     up.add_argument("--exit-after-ready", action="store_true", help="stop again once serving (smoke test)")
+    up.add_argument("--no-prometheus", action="store_true", help="do not start the local Prometheus")
     up.set_defaults(func=cmd_up)
 
     deploy = sub.add_parser("deploy", help="deploy a manifest onto a running Ray cluster")
@@ -145,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--app", default=None, help="application name (default: all)")
     down.add_argument("--address", default=None)
     down.set_defaults(func=cmd_down)
+
+    report = sub.add_parser("report", help="render the key panels to PNG from Prometheus")
+    report.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus URL")
+    report.add_argument("--since", default="10m", help="window: e.g. 90s, 10m, 2h")
+    report.add_argument("--out", default="report", help="output directory for the PNGs")
+    report.add_argument("--manifest", default=None, help="for the SLO lines (default: the local manifest)")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -41,7 +41,7 @@ class ExpertParallelGroup:
                  expert_parallel: dict, rank_options: dict, accelerator: str,
                  pool_name: str = "engine", remote_rank_factory: Callable[..., Any] | None = None,
                  local_server_factory: Callable[..., Any] = LLMServer, metrics: bool = True,
-                 metrics_backend: Any = None):
+                 metrics_backend: Any = None, cancel_remote: Callable[[Any], None] | None = None):
         from monitoring.exporter import MetricsExporter
 
         self._exporter = MetricsExporter(metrics, metrics_backend)
@@ -60,11 +60,12 @@ class ExpertParallelGroup:
         factory = remote_rank_factory or _ray_rank_factory(rank_options)
         # Ranks 1..N-1 start first: rank 0's engine waits in its constructor until every rank
         # has joined the handshake it hosts (vLLM allows 5 minutes).
-        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, rank=rank,
-                                metrics=metrics) for rank in range(1, self._size)]
+        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, metrics=metrics)
+                        for rank in range(1, self._size)]
         self._local = local_server_factory(model, spec(0), model_path, kv_transfer, pool=pool_name, rank=0,
                                            metrics=metrics)
-        self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor) for actor in self._remote]
+        self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor, cancel_remote or _ray_cancel)
+                                                   for actor in self._remote]
         self._in_flight = [0] * self._size
         self._broken: str | None = None
         self._broken_event = asyncio.Event()
@@ -175,7 +176,7 @@ class ExpertParallelGroup:
         """Started lazily: the constructor may run outside the replica's event loop."""
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch())
-            self._exporter = asyncio.ensure_future(self._export_periodically())
+            self._export_task = asyncio.ensure_future(self._export_periodically())
 
     async def _export_periodically(self, period_s: float = 5.0) -> None:
         while not self._broken:
@@ -208,7 +209,8 @@ class ExpertParallelGroup:
             try:
                 import ray
 
-                ray.kill(actor)
+                if ray.is_initialized():  # never start Ray just to clean up
+                    ray.kill(actor)
             except Exception:  # interpreter or Ray shutting down: the owner's death kills them anyway
                 pass
 
@@ -255,8 +257,9 @@ class _LocalRank:
 class _RemoteRank:
     """A rank actor seen through the same interface; its streams are Ray streaming generators."""
 
-    def __init__(self, actor: Any):
+    def __init__(self, actor: Any, cancel: Callable[[Any], None]):
         self._actor = actor
+        self._cancel = cancel
 
     async def generate(self, request: EngineRequest) -> AsyncIterator:
         refs = self._actor.generate.remote(request)
@@ -267,9 +270,7 @@ class _RemoteRank:
             finished = True
         finally:
             if not finished:  # the caller left: cancel, so the rank aborts it in its engine
-                import ray
-
-                ray.cancel(refs)
+                self._cancel(refs)
 
     async def prefill(self, request):
         return await self._actor.prefill.remote(request)
@@ -287,6 +288,12 @@ class _RemoteRank:
         return await self._actor.wait_forever.remote()
 
 
+def _ray_cancel(refs: Any) -> None:
+    import ray
+
+    ray.cancel(refs)
+
+
 def _ray_rank_factory(rank_options: dict) -> Callable[..., Any]:
     import ray
     from ray.util.placement_group import get_current_placement_group
@@ -302,7 +309,7 @@ def _ray_rank_factory(rank_options: dict) -> Callable[..., Any]:
             name=None, max_concurrency=10_000, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
             **rank_options,
-        ).remote(model, engine, model_path, kv_transfer, **server_kwargs)
+        ).remote(model, engine, model_path, kv_transfer, rank=rank, **server_kwargs)
 
     return start
 

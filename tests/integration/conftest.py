@@ -23,6 +23,9 @@ TEST_GCS_PORT = 6391
 TEST_DASHBOARD_PORT = 8276
 TEST_HTTP_PORT = 8012
 TEST_METRICS_BASE = 8190
+TEST_PROMETHEUS_PORT = 9391
+# The test Prometheus's TTFT target is impossibly low, so that its SLO alert must fire.
+IMPOSSIBLE_TTFT_SLO_S = 0.0001
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Stack:
     dashboard_url: str
     manifest_path: Path
     max_model_len: int
+    prometheus_url: str = ""
 
 
 def _log(message: str) -> None:
@@ -73,9 +77,16 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
     manifest_path.write_text(yaml.safe_dump(data))
     load_manifest(manifest_path)
 
+    from monitoring.alerts import alert_rules
+    from monitoring.local_prometheus import LocalPrometheus
+
     cluster = LocalCluster(manifest.local_cluster, ClusterPorts(TEST_GCS_PORT, TEST_DASHBOARD_PORT, TEST_METRICS_BASE))
     cluster.start(progress=_log)
+    # Started with the cluster so it sees every test's traffic (and the failures some provoke).
+    prometheus = LocalPrometheus(port=TEST_PROMETHEUS_PORT, scrape_interval_s=2.0, workdir=tmp_path_factory.mktemp("prom"),
+                                 rules=alert_rules(IMPOSSIBLE_TTFT_SLO_S, manifest.slo.itl_ms / 1e3, for_="0m"))
     try:
+        prometheus.start(progress=_log)
         connect(cluster.address)
         started = time.monotonic()
         _log("deploying through `ray job submit -- moe-serve deploy`")
@@ -90,9 +101,10 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
         yield Stack(
             base_url=f"http://127.0.0.1:{TEST_HTTP_PORT}", model=manifest.model.name, app_name=manifest.name,
             dashboard_url=cluster.dashboard_url, manifest_path=manifest_path,
-            max_model_len=manifest.model.max_model_len,
+            max_model_len=manifest.model.max_model_len, prometheus_url=prometheus.url,
         )
     finally:
+        prometheus.stop()
         import ray
         from ray import serve
 

@@ -1,0 +1,133 @@
+"""Observability on the real stack: a real Prometheus (started with the session's cluster, so it
+has scraped every earlier test's traffic and failures) evaluates every PromQL expression of the
+dashboards and alert rules, request phases add up to end-to-end latency, and alerts fire.
+
+Runs last (file order): it relies on what earlier modules provoked (a killed rank, injected
+transfer failures, aborts) and provokes the rest itself (an expired lease, fresh traffic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.prompt_set import COMPLETION_PROMPTS
+
+pytestmark = pytest.mark.integration
+
+
+def _api(stack):
+    from monitoring.prometheus_api import PrometheusAPI
+
+    return PrometheusAPI(stack.prometheus_url)
+
+
+def _drive_traffic(stack, n: int = 12) -> list[httpx.Response]:
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            completions = [client.post(f"{stack.base_url}/v1/completions", json={
+                "model": stack.model, "prompt": COMPLETION_PROMPTS["short"] + f" {i}", "max_tokens": 24,
+                "temperature": 0}) for i in range(n)]
+            chats = [client.post(f"{stack.base_url}/v1/chat/completions", json={
+                "model": stack.model, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 8})
+                for i in range(2)]
+            return await asyncio.gather(*completions, *chats)
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def observed(stack):
+    """Traffic, an injected transfer failure and an expired lease, then enough scrapes."""
+    from ray import serve
+
+    from cluster.manifest import load_manifest
+    from deployments.records import EngineRequest, SamplingSpec
+
+    manifest = load_manifest(stack.manifest_path)
+    # A prefill nobody pulls: its lease must run to its deadline (the stuck-lease signal).
+    prefill = serve.get_deployment_handle("prefill", app_name=stack.app_name)
+    result = prefill.prefill.remote(EngineRequest("orphan-prefill", list(range(3, 200)),
+                                                  SamplingSpec(max_tokens=1))).result(timeout_s=60)
+    assert result.transfer_params["remote_request_id"]
+    expires_at = time.monotonic() + manifest.kv_transfer.lease_s
+    responses = _drive_traffic(stack)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    httpx.post(f"{stack.base_url}/v1/completions", headers={"X-Moe-Serve-Inject-KV-Failure": "1"}, timeout=60,
+               json={"model": stack.model, "prompt": COMPLETION_PROMPTS["long"], "max_tokens": 4})
+    time.sleep(max(expires_at - time.monotonic(), 0) + 2)
+    _drive_traffic(stack, n=4)  # the engines' periodic exports run while requests flow
+    time.sleep(12)  # export period (5 s) + scrape interval (2 s) + evaluation, with margin
+    return responses
+
+
+def test_every_dashboard_and_alert_query_returns_data(stack, observed):
+    from monitoring.alerts import alert_rules
+    from monitoring.dashboards import all_dashboards, dashboard_queries
+    from monitoring.queries import ALL
+
+    expressions = {query.expr: query.key for query in ALL}
+    for name, board in all_dashboards().items():
+        for title, _unit, expr in dashboard_queries(board):
+            expressions.setdefault(expr, f"{name}: {title}")
+    for rule in alert_rules(2.0, 0.2):
+        expressions.setdefault(rule.query.expr, rule.name)
+    api = _api(stack)
+    empty = {}
+    deadline = time.monotonic() + 30
+    while True:
+        empty = {key: expr for expr, key in expressions.items() if not api.query(expr)}
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert not empty, "queries without data:\n" + "\n".join(f"{k}: {e}" for k, e in empty.items())
+
+
+def test_request_phases_add_up_to_end_to_end_latency(stack, observed):
+    # Per request, as the ingress reports it in Server-Timing.
+    response = observed[0]
+    timings = dict(part.split(";dur=") for part in response.headers["Server-Timing"].split(", "))
+    total = float(timings.pop("total"))
+    phases = {name: float(ms) for name, ms in timings.items()}
+    assert {"ingress", "prefill", "queue", "kv_transfer", "dispatch", "inter_token", "finish"} <= set(phases)
+    assert sum(phases.values()) == pytest.approx(total, rel=0.05)
+    # Across all requests, as Prometheus has them: the phase histograms' sums against e2e's.
+    api = _api(stack)
+    phase_sum = api.query("sum(ray_moe_serve_request_phase_seconds_sum)")[0].value
+    e2e_sum = api.query("sum(ray_moe_serve_request_e2e_seconds_sum)")[0].value
+    assert phase_sum == pytest.approx(e2e_sum, rel=0.05)
+
+
+def test_provoked_alerts_fire(stack, observed):
+    """The test Prometheus runs the real rules with an impossible TTFT target; an orphaned
+    prefill's lease expired; an earlier module killed a rank of an expert-parallel group."""
+    api = _api(stack)
+    wanted = {"MoeServeTTFTOverSLO", "MoeServeStuckKVLeases", "MoeServeKVTransferFailures"}
+    deadline = time.monotonic() + 40
+    firing: set[str] = set()
+    while time.monotonic() < deadline and not wanted <= firing:
+        firing = {a["labels"]["alertname"] for a in api.alerts() if a["state"] == "firing"}
+        time.sleep(2)
+    assert wanted <= firing, firing
+    # Healthy signals stay quiet.
+    assert "MoeServeMetricsTargetDown" not in firing and "MoeServeMetricsStale" not in firing
+
+
+def test_vllm_and_serve_metrics_come_through_the_same_scrape(stack, observed):
+    api = _api(stack)
+    names = {s.labels["__name__"] for s in api.query('{__name__=~"ray_(vllm|serve)_.+"}')}
+    assert any(n.startswith("ray_vllm_") for n in names), sorted(names)[:20]
+    assert "ray_serve_deployment_replica_healthy" in names
+
+
+def test_report_renders_the_key_panels_to_png(stack, observed, tmp_path):
+    from cluster.cli import main
+
+    assert main(["report", "--prometheus", stack.prometheus_url, "--since", "5m", "--out", str(tmp_path)]) == 0
+    pngs = {p.name: p.read_bytes() for p in tmp_path.glob("*.png")}
+    assert {"overview.png", "ttft.png", "itl.png", "phases.png", "kv_bandwidth.png", "experts.png"} <= set(pngs)
+    for name, data in pngs.items():
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000, name
