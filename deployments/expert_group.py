@@ -171,6 +171,14 @@ class ExpertParallelGroup:
             self._broken = reason
             self._broken_event.set()
             self._exporter.inc(m.GROUP_FAILURES, pool=self._pool)
+            # The surviving ranks cannot serve without the dead one; stop their engines now
+            # (their workers may wait in a collective forever and outlive a plain kill).
+            asyncio.ensure_future(self._stop_surviving_ranks())
+
+    async def _stop_surviving_ranks(self) -> None:
+        for rank in self._ranks[1:]:
+            rank.shutdown_engine()
+        await asyncio.to_thread(self._local.shutdown_engine)
 
     def _ensure_watchdog(self) -> None:
         """Started lazily: the constructor may run outside the replica's event loop."""
@@ -253,6 +261,9 @@ class _LocalRank:
     async def placement(self):
         return await self._server.placement()
 
+    def shutdown_engine(self) -> None:
+        self._server.shutdown_engine()
+
 
 class _RemoteRank:
     """A rank actor seen through the same interface; its streams are Ray streaming generators."""
@@ -283,6 +294,9 @@ class _RemoteRank:
 
     async def placement(self):
         return await self._actor.placement.remote()
+
+    def shutdown_engine(self) -> None:
+        self._actor.shutdown_engine.remote()  # fire and forget: the actor may be dead already
 
     async def wait_forever(self):
         return await self._actor.wait_forever.remote()

@@ -156,13 +156,19 @@ class LLMServer:
         """Called by Serve periodically; raising marks the replica unhealthy and restarts it."""
         await self._engine.check_health()
 
-    def __del__(self):
-        engine = getattr(self, "_engine", None)
+    def shutdown_engine(self) -> None:
+        """Stop the engine and its processes now (idempotent). An expert-parallel group calls it
+        when a peer rank died: this engine's worker may be stuck in a collective, and Serve's
+        kill of the replica alone would leave that process behind."""
+        engine, self._engine = getattr(self, "_engine", None), None
         if engine is not None:
             try:
                 engine.shutdown()
-            except Exception:  # interpreter shutdown: nothing useful left to do
-                pass
+            except Exception as exc:  # already gone, or the interpreter is shutting down
+                logger.debug("engine shutdown: %s", exc)
+
+    def __del__(self):
+        self.shutdown_engine()
 
 
 def connector_settings(kv_transfer: dict, engine_id: str) -> dict:

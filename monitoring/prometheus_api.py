@@ -25,7 +25,7 @@ class RangeSeries:
 
 
 class PrometheusAPI:
-    def __init__(self, base_url: str, timeout_s: float = 10.0):
+    def __init__(self, base_url: str, timeout_s: float = 30.0):
         self.base_url = base_url.rstrip("/")
         self._client = httpx.Client(timeout=timeout_s)
 

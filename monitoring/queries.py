@@ -28,6 +28,16 @@ def quantile(q: float, metric: m.MetricDef, window: str = RATE_WINDOW, by: str =
     return f"histogram_quantile({q}, sum by ({keys}) (rate({series(metric, '_bucket')}[{window}])))"
 
 
+def recent_increase(selector: str, window: str = "10m") -> str:
+    """How much a counter grew within `window`, counting a series born inside the window from 0.
+
+    `increase()` needs two samples, so it misses the first increment of a series that only
+    appears when something first happens (Ray cannot export a counter at 0): a first KV
+    failure would never alert. A series absent `window` ago is taken at its current value.
+    """
+    return f"clamp_min(({selector} - {selector} offset {window}) or {selector}, 0)"
+
+
 @dataclass(frozen=True)
 class Query:
     key: str
@@ -76,7 +86,8 @@ ENGINE_WAITING = Query("engine_waiting", "sum by (model_name) (ray_vllm_num_requ
                        "waiting", "short", "vLLM requests waiting")
 KV_CACHE_USAGE = Query("kv_cache_usage", "max by (ReplicaId) (ray_vllm_kv_cache_usage_perc)",
                        "{{ReplicaId}}", "percentunit", "vLLM KV cache usage per engine")
-REPLICA_STARTS = Query("replica_starts", "sum by (deployment) (increase(ray_serve_deployment_replica_starts_total[10m]))",
+REPLICA_STARTS = Query("replica_starts",
+                       f"sum by (deployment) ({recent_increase('ray_serve_deployment_replica_starts_total')})",
                        "{{deployment}}", "short", "Replica starts in the last 10 minutes")
 
 # -- KV transfer ----------------------------------------------------------------------------------
@@ -89,14 +100,15 @@ KV_PULL_LATENCY = Query(
     f"sum by (pool) (rate({series(m.KV_PULL_SECONDS)}[5m])) / "
     f"sum by (pool) (rate({series(m.KV_PULLS)}{{outcome=\"ok\"}}[5m]))",
     "{{pool}}", "s", "Mean KV pull latency")
-KV_FAILURES = Query("kv_failures", f"sum by (pool) (increase({series(m.KV_PULLS)}{{outcome=\"failed\"}}[10m]))",
+_FAILED_PULLS = series(m.KV_PULLS) + '{outcome="failed"}'
+KV_FAILURES = Query("kv_failures", f"sum by (pool) ({recent_increase(_FAILED_PULLS)})",
                     "{{pool}}", "short", "Failed KV pulls in the last 10 minutes")
-KV_FALLBACKS = Query("kv_fallbacks", f"sum by (pool) (increase({series(m.KV_FALLBACKS)}[10m]))",
+KV_FALLBACKS = Query("kv_fallbacks", f"sum by (pool) ({recent_increase(series(m.KV_FALLBACKS))})",
                      "{{pool}}", "short", "Pulls recomputed on decode in the last 10 minutes")
 KV_LEASES = Query("kv_leases", f"sum by (pool) ({series(m.KV_LEASES_OUTSTANDING)})", "{{pool}}", "short",
                   "Prefill leases outstanding")
 KV_LEASES_EXPIRED = Query("kv_leases_expired",
-                          f"sum by (pool) (increase({series(m.KV_LEASES_EXPIRED)}[10m]))", "{{pool}}", "short",
+                          f"sum by (pool) ({recent_increase(series(m.KV_LEASES_EXPIRED))})", "{{pool}}", "short",
                           "Leases freed by deadline (stuck) in the last 10 minutes")
 
 # -- experts ----------------------------------------------------------------------------------------
@@ -111,7 +123,7 @@ EXPERT_IMBALANCE = Query(
     "{{pool}}", "short", "Expert load imbalance (busiest / mean expert)")
 RANK_REQUESTS = Query("rank_requests", f"sum by (pool, rank) (rate({series(m.ROUTED_REQUESTS)}[{RATE_WINDOW}]))",
                       "{{pool}} rank {{rank}}", "reqps", "Requests routed to each rank")
-GROUP_FAILURES = Query("group_failures", f"sum by (pool) (increase({series(m.GROUP_FAILURES)}[10m]))",
+GROUP_FAILURES = Query("group_failures", f"sum by (pool) ({recent_increase(series(m.GROUP_FAILURES))})",
                        "{{pool}}", "short", "Engine groups broken by a dead rank (last 10 minutes)")
 
 # -- freshness ------------------------------------------------------------------------------------------
@@ -120,3 +132,4 @@ METRICS_AGE = Query("metrics_age", f"time() - max(timestamp({series(m.ENGINE_IN_
                     "Age of the newest engine metric sample")
 
 ALL: tuple[Query, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Query))
+BY_KEY: dict[str, Query] = {query.key: query for query in ALL}

@@ -23,6 +23,7 @@ class FakeServer:
         self.gate = asyncio.Event()
         self.gate.set()
         self.aborted: list[str] = []
+        self.shut_down = False
 
     async def generate(self, request):
         self.requests.append(request.request_id)
@@ -43,6 +44,9 @@ class FakeServer:
 
     async def check_health(self):
         return None
+
+    def shutdown_engine(self):
+        self.shut_down = True
 
 
 class _Method:
@@ -70,6 +74,7 @@ class FakeRankActor:
         self.stats = _Method(server.stats)
         self.routed_tokens_per_expert = _Method(server.routed_tokens_per_expert)
         self.wait_forever = _Method(self._wait_forever)
+        self.shutdown_engine = _Method(server.shutdown_engine)
 
     async def _wait_forever(self):
         await self.dead.wait()
@@ -166,9 +171,11 @@ def test_a_dead_rank_fails_every_in_flight_request_of_the_group_and_new_ones_fas
             await group.check_health()
         except Exception as exc:
             health = exc
+        await asyncio.sleep(0.05)  # the broken group stops its surviving engines
         return outputs, late, health, local
 
     outputs, late, health, local = asyncio.run(scenario())
+    assert local.shut_down
     for out in outputs:
         assert isinstance(out[-1], EngineFailure) and out[-1].retriable and "rank 1 died" in out[-1].message
     assert isinstance(late[0], EngineFailure) and late[0].retriable
