@@ -133,3 +133,24 @@ METRICS_AGE = Query("metrics_age", f"time() - max(timestamp({series(m.ENGINE_IN_
 
 ALL: tuple[Query, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Query))
 BY_KEY: dict[str, Query] = {query.key: query for query in ALL}
+
+
+# -- per pool (the autoscaler's inputs; `pool` is a Serve deployment name) ------------------------------
+def pool_running(pool: str) -> str:
+    """Requests inside the pool's engines (running or waiting in vLLM), summed over replicas and ranks."""
+    return f'sum({series(m.ENGINE_IN_FLIGHT)}{{pool="{pool}"}})'
+
+
+def pool_queued(pool: str) -> str:
+    """Requests waiting at Serve handles for a replica of the pool."""
+    return f'sum(ray_serve_deployment_queued_queries{{deployment="{pool}"}}) or vector(0)'
+
+
+def pool_metrics_age(pool: str) -> str:
+    """Seconds since the pool's engines last exported (large: the pool or the pipeline is down)."""
+    return f'time() - max(timestamp({series(m.ENGINE_IN_FLIGHT)}{{pool="{pool}"}}))'
+
+
+ARRIVAL_RPS = f"sum(rate({series(m.REQUESTS)}[{RATE_WINDOW}]))"
+TTFT_P90_5M = quantile(0.9, m.TTFT, window="2m")
+TPOT_P90_5M = quantile(0.9, m.TPOT, window="2m")

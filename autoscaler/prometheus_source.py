@@ -1,0 +1,74 @@
+"""Observations for the controller, read from Prometheus with the queries monitoring/ uses.
+
+The one place that knows which metric feeds which observation field:
+- ttft_p90_s (prefill, colocated) and itl_p90_s (decode, colocated): the ingress's latency
+  histograms over the last 2 minutes (every request crosses both pools of a disaggregated
+  layout, so these are the pools' SLO signals);
+- queue_depth: requests waiting at Serve handles for a replica of the pool;
+- running: requests inside the pool's engines (our in-flight gauge, summed over ranks);
+- kv_transfer_s: the decode pool's mean KV pull latency;
+- arrival_rps: requests per second arriving at the ingress;
+- metrics_age_s: age of the pool's newest engine sample (stale => the controller holds).
+Replica counts come from the caller (Serve knows them better than a scrape).
+`observe` returns None when Prometheus cannot be reached: the controller then holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from autoscaler.observations import PoolObservation
+from monitoring import queries as q
+
+logger = logging.getLogger(__name__)
+
+STALE_AGE_S = 1e9  # no sample at all: as stale as it gets
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    pool: str  # the Serve deployment name
+    role: str  # prefill, decode or colocated
+    ranks_per_replica: int = 1
+
+
+class PrometheusSource:
+    def __init__(self, api: Any, pools: list[PoolRef]):
+        """`api`: monitoring.prometheus_api.PrometheusAPI (or a fake with `query(expr)`)."""
+        self._api = api
+        self._pools = pools
+
+    def observe(self, replicas: dict[str, int], starting: dict[str, int] | None = None
+                ) -> list[PoolObservation] | None:
+        try:
+            ttft = self._scalar(q.TTFT_P90_5M)
+            itl = self._scalar(q.TPOT_P90_5M)
+            arrivals = self._scalar(q.ARRIVAL_RPS)
+            kv = self._scalar(q.KV_PULL_LATENCY.expr)
+            out = []
+            for ref in self._pools:
+                age = self._scalar(q.pool_metrics_age(ref.pool))
+                out.append(PoolObservation(
+                    pool=ref.pool, role=ref.role, replicas=replicas.get(ref.pool, 0),
+                    ranks_per_replica=ref.ranks_per_replica,
+                    ttft_p90_s=ttft if ref.role in ("prefill", "colocated") else None,
+                    itl_p90_s=itl if ref.role in ("decode", "colocated") else None,
+                    queue_depth=self._scalar(q.pool_queued(ref.pool)) or 0.0,
+                    running=self._scalar(q.pool_running(ref.pool)) or 0.0,
+                    kv_transfer_s=kv if ref.role == "decode" else None,
+                    arrival_rps=arrivals,
+                    metrics_age_s=STALE_AGE_S if age is None else max(age, 0.0),
+                    starting_replicas=min((starting or {}).get(ref.pool, 0), replicas.get(ref.pool, 0)),
+                ))
+            return out
+        except Exception as exc:  # unreachable or rejected: the controller holds and says why
+            logger.warning("autoscaler: Prometheus unavailable (%s); holding", exc)
+            return None
+
+    def _scalar(self, expr: str) -> float | None:
+        """The query's value (summed if several series); None when it has no data or is NaN."""
+        samples = self._api.query(expr)
+        values = [s.value for s in samples if s.value == s.value]  # drop NaN (no traffic in the window)
+        return sum(values) if values else None
