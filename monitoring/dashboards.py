@@ -58,7 +58,8 @@ def overview(ttft_slo_s: float, itl_slo_s: float) -> Dashboard:
             .with_panel(_panel("End-to-end latency", q.E2E_P50, q.E2E_P99))
             .with_panel(_panel("SLO attainment", q.SLO_ATTAINMENT))
             .with_row(Row("Where the time goes"))
-            .with_panel(_panel("Mean seconds per request phase", q.PHASE_MEAN, width=24)))
+            .with_panel(_panel("Mean seconds per request phase", q.PHASE_MEAN))
+            .with_panel(_panel("Request phases, p90", q.PHASE_P90)))
 
 
 def pools() -> Dashboard:

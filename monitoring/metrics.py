@@ -59,6 +59,14 @@ REQUEST_E2E = MetricDef("moe_serve_request_e2e_seconds", Kind.histogram,
 REQUEST_PHASE = MetricDef("moe_serve_request_phase_seconds", Kind.histogram,
                           "Time successful requests spend in each phase; a request's phases sum to its "
                           "end-to-end latency.", ("phase",), LATENCY_BUCKETS)
+# Histogram `_sum`s exported by Ray are rebuilt from bucket boundaries (measured: 855 s reported
+# for 648 s observed), so exact time accounting uses counters of seconds instead.
+REQUEST_TIME = MetricDef("moe_serve_request_seconds_total", Kind.counter,
+                         "End-to-end seconds of successful requests, summed exactly (see the phase counter).",
+                         ("route",))
+REQUEST_PHASE_TIME = MetricDef("moe_serve_request_phase_seconds_total", Kind.counter,
+                               "Seconds successful requests spent in each phase, summed exactly; over all "
+                               "phases it equals moe_serve_request_seconds_total.", ("phase",))
 TTFT = MetricDef("moe_serve_time_to_first_token_seconds", Kind.histogram,
                  "Time to first token at the ingress.", ("route",), LATENCY_BUCKETS)
 TPOT = MetricDef("moe_serve_time_per_output_token_seconds", Kind.histogram,
@@ -100,7 +108,7 @@ KV_LEASES_EXPIRED = MetricDef("moe_serve_kv_leases_expired_total", Kind.counter,
                               "never pulled or never confirmed).", ("pool",))
 
 CATALOGUE: tuple[MetricDef, ...] = (
-    REQUESTS, REQUEST_E2E, REQUEST_PHASE, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
+    REQUESTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
     ENGINE_IN_FLIGHT, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
 )

@@ -68,9 +68,11 @@ TOKEN_RATE = Query("token_rate", f"sum(rate({series(m.GENERATION_TOKENS)}[{RATE_
                    "short", "Generated tokens per second")
 PHASE_MEAN = Query(
     "phase_mean",
-    f"sum by (phase) (rate({series(m.REQUEST_PHASE, '_sum')}[{RATE_WINDOW}])) / "
-    f"sum by (phase) (rate({series(m.REQUEST_PHASE, '_count')}[{RATE_WINDOW}]))",
+    f"sum by (phase) (rate({series(m.REQUEST_PHASE_TIME)}[{RATE_WINDOW}])) / "
+    f"scalar(sum(rate({series(m.REQUESTS)}{{outcome=\"ok\"}}[{RATE_WINDOW}])))",
     "{{phase}}", "s", "Where a request's time goes (mean seconds per phase)")
+PHASE_P90 = Query("phase_p90", quantile(0.9, m.REQUEST_PHASE, by="phase"), "{{phase}}", "s",
+                  "Request phases, p90")
 
 # -- pools ----------------------------------------------------------------------------------------
 IN_FLIGHT = Query("in_flight", f"sum by (pool, rank) ({series(m.ENGINE_IN_FLIGHT)})", "{{pool}} rank {{rank}}",

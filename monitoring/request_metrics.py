@@ -77,8 +77,10 @@ class RequestMetrics:
             exporter.observe(m.TTFT, ttft, route=route)
             if tpot is not None:
                 exporter.observe(m.TPOT, tpot, route=route)
+            exporter.inc(m.REQUEST_TIME, e2e, route=route)
             for phase, seconds in phases.items():
                 exporter.observe(m.REQUEST_PHASE, seconds, phase=phase.value)
+                exporter.inc(m.REQUEST_PHASE_TIME, seconds, phase=phase.value)
             exporter.inc(m.PROMPT_TOKENS, trace.prompt_tokens, route=route)
             exporter.inc(m.GENERATION_TOKENS, trace.completion_tokens, route=route)
             if ttft <= self._ttft_slo_s and (tpot is None or tpot <= self._itl_slo_s):
