@@ -84,7 +84,29 @@ class LLMServer:
                 await asyncio.shield(self._engine.abort(request.request_id))
 
     async def prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
-        """Run the prompt only (one token) and keep its KV blocks for a decode replica to pull."""
+        """Run the prompt only (one token) and keep its KV blocks for a decode replica to pull.
+
+        Not abortable on purpose: when a client leaves, Serve cancels this call too, possibly
+        just after the engine granted the lease but before the result got back, and nobody
+        would know the lease. A cancelled prefill therefore runs to its end (one prompt's
+        work) and releases what it got.
+        """
+        work = asyncio.ensure_future(self._prefill(request))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(self._release_abandoned)
+            raise
+
+    def _release_abandoned(self, work: asyncio.Future) -> None:
+        if work.cancelled() or work.exception() is not None:
+            return
+        result = work.result()
+        if isinstance(result, PrefillResult):
+            self._stats.abandoned_prefills_total += 1
+            asyncio.ensure_future(self.release(dict(result.transfer_params)))
+
+    async def _prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
         from kv_transfer.params import prefill_request_params
 
         started = time.monotonic()

@@ -88,6 +88,7 @@ class ServerStats:
     finished_total: int = 0
     aborted_total: int = 0
     failed_total: int = 0
+    abandoned_prefills_total: int = 0  # prefills whose caller left; their leases were released
     in_flight_request_ids: list[str] = field(default_factory=list)
     engine_unfinished_requests: int = 0  # requests the vLLM engine itself still tracks
     kv_transfer: dict = field(default_factory=dict)  # the connector's counters (disaggregated pools)

@@ -61,12 +61,12 @@ REQUEST_PHASE = MetricDef("moe_serve_request_phase_seconds", Kind.histogram,
                           "end-to-end latency.", ("phase",), LATENCY_BUCKETS)
 # Histogram `_sum`s exported by Ray are rebuilt from bucket boundaries (measured: 855 s reported
 # for 648 s observed), so exact time accounting uses counters of seconds instead.
-REQUEST_TIME = MetricDef("moe_serve_request_seconds_total", Kind.counter,
-                         "End-to-end seconds of successful requests, summed exactly (see the phase counter).",
+REQUEST_TIME = MetricDef("moe_serve_request_time_seconds_total", Kind.counter,
+                         "End-to-end seconds of successful requests, summed exactly (see the phase time counter).",
                          ("route",))
-REQUEST_PHASE_TIME = MetricDef("moe_serve_request_phase_seconds_total", Kind.counter,
+REQUEST_PHASE_TIME = MetricDef("moe_serve_request_phase_time_seconds_total", Kind.counter,
                                "Seconds successful requests spent in each phase, summed exactly; over all "
-                               "phases it equals moe_serve_request_seconds_total.", ("phase",))
+                               "phases it equals moe_serve_request_time_seconds_total.", ("phase",))
 TTFT = MetricDef("moe_serve_time_to_first_token_seconds", Kind.histogram,
                  "Time to first token at the ingress.", ("route",), LATENCY_BUCKETS)
 TPOT = MetricDef("moe_serve_time_per_output_token_seconds", Kind.histogram,

@@ -157,10 +157,10 @@ def test_request_phases_add_up_to_end_to_end_latency(stack, observed, background
     background_traffic.set()
     time.sleep(25)
     api = _api(stack)
-    phase_total = api.query("sum(ray_moe_serve_request_phase_seconds_total)")[0].value
-    e2e_total = api.query("sum(ray_moe_serve_request_seconds_total)")[0].value
+    phase_total = api.query("sum(ray_moe_serve_request_phase_time_seconds_total)")[0].value
+    e2e_total = api.query("sum(ray_moe_serve_request_time_seconds_total)")[0].value
     per_phase = {s.labels["phase"]: round(s.value, 2) for s in api.query(
-        "sum by (phase) (ray_moe_serve_request_phase_seconds_total)")}
+        "sum by (phase) (ray_moe_serve_request_phase_time_seconds_total)")}
     assert phase_total == pytest.approx(e2e_total, rel=0.05), (e2e_total, per_phase)
     # The histograms carry every request's every always-present phase once.
     counts = {s.labels.get("phase", "e2e"): s.value for s in api.query(
