@@ -25,6 +25,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = ("off", "on")
+# Diagnostic variant: metrics recorded and exported by Ray, but no Prometheus process on the box.
+EXTRA_VARIANTS = ("on-no-prometheus",)
 
 
 def _log(message: str) -> None:
@@ -41,7 +43,7 @@ def measure(variant: str, args) -> dict:
     from monitoring.local_prometheus import LocalPrometheus
 
     data = yaml.safe_load(Path(args.manifest).read_text())
-    data.setdefault("observability", {})["metrics"] = variant == "on"
+    data.setdefault("observability", {})["metrics"] = variant.startswith("on")
     manifest = parse_manifest(data, f"{args.manifest} (metrics {variant})")
     trace = make_trace(TraceSpec(num_requests=args.num_requests, rate_rps=args.rate,
                                  prompt_tokens=LengthSpec(args.prompt_tokens, 0.5),
@@ -90,8 +92,11 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=VARIANTS + EXTRA_VARIANTS,
+                        help="measure one variant only and write its raw rounds to --out")
     parser.add_argument("--out", default=str(RESULTS / "metrics_overhead.json"))
+    parser.add_argument("--on-variant", default="on", choices=("on",) + EXTRA_VARIANTS,
+                        help="what 'on' means: with a local Prometheus (default) or without one")
     args = parser.parse_args()
     if args.one:
         Path(args.out).write_text(json.dumps(measure(args.one, args)))
@@ -99,9 +104,10 @@ def main() -> int:
 
     results = {}
     for variant in VARIANTS:
-        _log(f"=== metrics {variant} ===")
+        variant_run = args.on_variant if variant == "on" else variant
+        _log(f"=== metrics {variant_run} ===")
         part = RESULTS / f".metrics-{variant}.json"
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_metrics_overhead", "--one", variant, "--out", str(part),
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_metrics_overhead", "--one", variant_run, "--out", str(part),
                         "--manifest", args.manifest, "--rounds", str(args.rounds), "--num-requests",
                         str(args.num_requests), "--rate", str(args.rate), "--prompt-tokens", str(args.prompt_tokens),
                         "--output-tokens", str(args.output_tokens)], check=True, cwd=REPO)
