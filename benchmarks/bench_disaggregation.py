@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.rounds import median_at
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 LAYOUTS = {"colocated": REPO / "manifests" / "local-colocated.yaml",
@@ -107,16 +109,6 @@ def _role(name: str):
     return PoolRole(name)
 
 
-def _median(rounds: list[dict], path: tuple[str, ...]) -> float:
-    values = []
-    for r in rounds:
-        value = r
-        for key in path:
-            value = value[key]
-        values.append(value)
-    return statistics.median(v for v in values if v is not None)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -152,7 +144,7 @@ def main() -> int:
     print("| metric | colocated | disaggregated | disagg / coloc |\n|---|---:|---:|---:|")
     table = {}
     for name, path in metrics:
-        c, d = _median(results["colocated"]["rounds"], path), _median(results["disaggregated"]["rounds"], path)
+        c, d = median_at(results["colocated"]["rounds"], path), median_at(results["disaggregated"]["rounds"], path)
         table[name] = {"colocated": c, "disaggregated": d}
         print(f"| {name} | {c:.1f} | {d:.1f} | {d / c if c else float('nan'):.2f} |")
     print("\n| prompt tokens | TTFT ms | KV pull ms | share of TTFT |\n|---:|---:|---:|---:|")

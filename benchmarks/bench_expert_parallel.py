@@ -16,13 +16,14 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+
+from benchmarks.rounds import median_at
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -97,16 +98,6 @@ def _rank_weights(manifest) -> list[dict]:
             for index, rank in enumerate(ranks)]
 
 
-def _median(rounds: list[dict], path: tuple[str, ...]) -> float:
-    values = []
-    for r in rounds:
-        value = r
-        for key in path:
-            value = value[key]
-        values.append(value)
-    return statistics.median(v for v in values if v is not None)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -141,7 +132,7 @@ def main() -> int:
     print("| metric | N=1 | N=2 | N=2 / N=1 |\n|---|---:|---:|---:|")
     table = {}
     for name, path in metrics:
-        one, two = _median(results["N=1"]["rounds"], path), _median(results["N=2"]["rounds"], path)
+        one, two = median_at(results["N=1"]["rounds"], path), median_at(results["N=2"]["rounds"], path)
         table[name] = {"N=1": one, "N=2": two}
         print(f"| {name} | {one:.1f} | {two:.1f} | {two / one if one else float('nan'):.2f} |")
     print("\n| layout | rank | experts | routed-expert weights | all weights |\n|---|---:|---|---:|---:|")

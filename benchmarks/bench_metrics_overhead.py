@@ -14,13 +14,14 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+
+from benchmarks.rounds import median_at
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -74,16 +75,6 @@ def measure(variant: str, args) -> dict:
         cluster.shutdown()
 
 
-def _median(rounds: list[dict], path: tuple[str, ...]) -> float:
-    values = []
-    for r in rounds:
-        value = r
-        for key in path:
-            value = value[key]
-        values.append(value)
-    return statistics.median(values)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", default=str(REPO / "manifests" / "local-colocated.yaml"))
@@ -120,7 +111,7 @@ def main() -> int:
     print("| metric | metrics off | metrics on | on / off |\n|---|---:|---:|---:|")
     table = {}
     for name, path in metrics:
-        off, on = _median(results["off"]["rounds"], path), _median(results["on"]["rounds"], path)
+        off, on = median_at(results["off"]["rounds"], path), median_at(results["on"]["rounds"], path)
         table[name] = {"off": off, "on": on}
         print(f"| {name} | {off:.1f} | {on:.1f} | {on / off if off else float('nan'):.3f} |")
     out = Path(args.out)
