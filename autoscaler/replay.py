@@ -4,7 +4,8 @@ regression harness for scaling behaviour (a changed decision shows up as a chang
 Event log: one {"at_s", "event": "hold", "reason"} per held decision, and one
 {"at_s", "event": "scale", "pool", "from", "to", "reason"} per pool whose target changed.
 
-A recorded case is JSON: {"config": ControllerConfig fields, "limits": [PoolLimits fields],
+A recorded case is JSON (a live autoscaler writes one when the manifest sets
+autoscaling.record_path): {"config": ControllerConfig fields (budget_units null: none), "limits": [PoolLimits fields],
 "steps": [{"at_s": float, "observations": [PoolObservation fields] | null}]}, null meaning the
 metrics source was unreachable at that step. Print a case's event log (to review, then store
 as the expected one):
@@ -15,6 +16,7 @@ as the expected one):
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -41,6 +43,8 @@ def load_case(path: Path) -> tuple[ControllerConfig, list[PoolLimits], Recorded]
     config = data["config"]  # other top-level keys (e.g. "about") are notes for people
     if config.get("ratio_bounds") is not None:
         config = {**config, "ratio_bounds": tuple(config["ratio_bounds"])}
+    if config.get("budget_units", 0) is None:  # JSON has no infinity: null means no budget
+        config = {**config, "budget_units": math.inf}
     limits = [PoolLimits(**limit) for limit in data["limits"]]
     recorded: Recorded = []
     for step in data["steps"]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.errors import ManifestError, ManifestIssue
+from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
 
 _LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
 
@@ -125,7 +126,7 @@ class PoolSpec(_Strict):
     role: PoolRole = PoolRole.colocated
     """colocated (prefill and decode in one engine), prefill or decode."""
     replicas: Annotated[int, Field(ge=1, le=10_000)] = 1
-    """Engine replicas in the pool."""
+    """Engine replicas in the pool (with autoscaling: the number it starts with)."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     env: dict[str, str] = Field(default_factory=dict)
@@ -133,6 +134,9 @@ class PoolSpec(_Strict):
     expert_parallel: ExpertParallelSpec | None = None
     """Make every replica an expert-parallel engine group (see ExpertParallelSpec); placement
     then applies per rank (num_cpus, num_gpus and node_labels of each rank's bundle)."""
+    autoscaling: PoolAutoscalingSpec | None = None
+    """Let the autoscaler size this pool between min_replicas and max_replicas (groups, for
+    expert-parallel pools). Give it to every pool or to none."""
 
     @property
     def ranks_per_replica(self) -> int:
@@ -220,6 +224,8 @@ class Manifest(_Strict):
     http: HTTPSpec = Field(default_factory=HTTPSpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Settings of the coordinated autoscaler (used when the pools have autoscaling bounds)."""
     local_cluster: LocalClusterSpec | None = None
 
     @model_validator(mode="after")
@@ -265,6 +271,7 @@ class Manifest(_Strict):
                     f"pools[{index}].placement.node_labels", pool.placement.node_labels,
                     "no node of local_cluster carries these labels",
                     "add the labels to a node in local_cluster.nodes or change the selector"))
+        problems.extend(autoscaling_issues(self))
         if self.local_cluster:
             node_names = [node.name for node in self.local_cluster.nodes]
             if len(set(node_names)) != len(node_names):
@@ -273,6 +280,10 @@ class Manifest(_Strict):
         if problems:
             raise _ConsistencyError(problems)
         return self
+
+    @property
+    def autoscaled(self) -> bool:
+        return any(pool.autoscaling is not None for pool in self.pools)
 
     @property
     def disaggregated(self) -> bool:

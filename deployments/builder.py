@@ -71,6 +71,33 @@ def expert_group_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
     return options
 
 
+def replica_count_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
+    """A fixed `num_replicas`, or Serve autoscaling driven by our coordinated policy.
+
+    Serve's own damping is off (no delays, factor 1): cooldowns and hysteresis belong to the
+    controller, which sees all pools; Serve only enforces the bounds.
+    """
+    if pool.autoscaling is None:
+        return {"num_replicas": pool.replicas}
+    from autoscaler.settings import settings_from_manifest
+
+    return {"autoscaling_config": {
+        "min_replicas": pool.autoscaling.min_replicas,
+        "max_replicas": pool.autoscaling.max_replicas,
+        "initial_replicas": pool.replicas,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "downscale_to_zero_delay_s": 0.0,
+        "upscaling_factor": 1.0,
+        "downscaling_factor": 1.0,
+        "policy": {
+            "policy_function": "autoscaler.serve_policy:CoordinatedPoolPolicy",
+            "policy_kwargs": {"settings": settings_from_manifest(manifest).to_json(),
+                              "record_path": manifest.autoscaling.record_path},
+        },
+    }}
+
+
 def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str):
     kv_transfer = manifest.kv_transfer.model_dump() if manifest.disaggregated else None
     if pool.expert_parallel is not None:
@@ -78,7 +105,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
         rank_options.pop("label_selector", None)
         return serve.deployment(ExpertParallelGroup).options(
             name=pool.name,
-            num_replicas=pool.replicas,
+            **replica_count_options(manifest, pool),
             max_ongoing_requests=pool.engine.max_num_seqs * 4 * pool.expert_parallel.size,
             # Short period: a group with a dead rank fails its requests at once but only
             # leaves the pool when Serve's health check notices.
@@ -90,7 +117,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
                rank_options, manifest.accelerator.value, pool.name, metrics=manifest.observability.metrics)
     return serve.deployment(LLMServer).options(
         name=pool.name,
-        num_replicas=pool.replicas,
+        **replica_count_options(manifest, pool),
         ray_actor_options=engine_actor_options(manifest, pool),
         # Admit more than one engine step's worth so the engine's own scheduler batches them.
         max_ongoing_requests=pool.engine.max_num_seqs * 4,

@@ -146,7 +146,7 @@ class LLMServer:
                 kv = {}
                 if self._kv_client is not None:
                     kv = await asyncio.to_thread(self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
-                self._metrics.export(len(self._in_flight), kv)
+                self._metrics.export(len(self._in_flight), kv, getattr(self._engine, "scheduler", None))
             except Exception as exc:  # the engine is starting or stopping: try again next period
                 logger.debug("metrics export skipped: %s", exc)
             await asyncio.sleep(period_s)

@@ -81,9 +81,10 @@ def engine_timing(output: Any) -> EngineTiming | None:
 class VLLMEngine:
     """A running vLLM AsyncLLM."""
 
-    def __init__(self, llm: Any, max_model_len: int):
+    def __init__(self, llm: Any, max_model_len: int, scheduler: Any = None):
         self._llm = llm
         self.max_model_len = max_model_len
+        self.scheduler = scheduler  # SchedulerSnapshot: the latest waiting/running/KV usage (None: not kept)
 
     @classmethod
     def start(cls, model: dict, engine: dict, model_path: str, *, stat_loggers: list | None = None,
@@ -97,12 +98,16 @@ class VLLMEngine:
         if kv_connector is not None:
             fields["kv_transfer_config"] = kv_transfer_config(kv_connector, kv_connector["failure_policy"])
         args = AsyncEngineArgs(**fields)
+        scheduler = None
         if ray_metrics:
             from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-            stat_loggers = [*(stat_loggers or []), RayPrometheusStatLogger]
+            from deployments.vllm_scheduler_snapshot import SchedulerSnapshot, snapshot_logger
+
+            scheduler = SchedulerSnapshot()
+            stat_loggers = [*(stat_loggers or []), RayPrometheusStatLogger, snapshot_logger(scheduler)]
         llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
-        return cls(llm, model["max_model_len"])
+        return cls(llm, model["max_model_len"], scheduler)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         from vllm.inputs import TokensPrompt

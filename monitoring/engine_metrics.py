@@ -3,6 +3,8 @@ connector's counters, read from the connector's stats and mirrored into Promethe
 
 from __future__ import annotations
 
+from typing import Any
+
 from monitoring import metrics as m
 from monitoring.exporter import CounterMirror, MetricsExporter
 
@@ -18,10 +20,15 @@ class EngineServerMetrics:
     def enabled(self) -> bool:
         return self._exporter.enabled
 
-    def export(self, in_flight: int, kv: dict) -> None:
-        """`kv`: kv_transfer.counters snapshot plus leases_outstanding (empty when colocated)."""
+    def export(self, in_flight: int, kv: dict, scheduler: Any = None) -> None:
+        """`kv`: kv_transfer.counters snapshot plus leases_outstanding (empty when colocated);
+        `scheduler`: the engine's SchedulerSnapshot (None when the engine keeps none)."""
         exporter, pool = self._exporter, self._pool
         exporter.set(m.ENGINE_IN_FLIGHT, in_flight, pool=pool, rank=self._rank)
+        if scheduler is not None:
+            # An idle engine runs no step, so its last report may still count finished work as waiting.
+            exporter.set(m.ENGINE_WAITING, scheduler.waiting if in_flight else 0, pool=pool, rank=self._rank)
+            exporter.set(m.ENGINE_KV_USAGE, scheduler.kv_cache_usage, pool=pool, rank=self._rank)
         if not kv:
             return
         mirror = self._mirror

@@ -82,6 +82,12 @@ SLO_MET = MetricDef("moe_serve_requests_within_slo_total", Kind.counter,
 
 ENGINE_IN_FLIGHT = MetricDef("moe_serve_engine_requests_in_flight", Kind.gauge,
                              "Requests an engine replica (or group rank) is serving now.", ("pool", "rank"))
+ENGINE_WAITING = MetricDef("moe_serve_engine_requests_waiting", Kind.gauge,
+                           "Requests waiting in an engine's scheduler for a batch slot (vLLM's scheduler "
+                           "stats, last engine step): the pool's queue.", ("pool", "rank"))
+ENGINE_KV_USAGE = MetricDef("moe_serve_engine_kv_cache_usage_ratio", Kind.gauge,
+                            "Fraction of an engine's KV cache blocks in use (0..1, last engine step).",
+                            ("pool", "rank"))
 ROUTED_REQUESTS = MetricDef("moe_serve_group_routed_requests_total", Kind.counter,
                             "Requests an expert-parallel group routed to each of its ranks.", ("pool", "rank"))
 GROUP_FAILURES = MetricDef("moe_serve_group_failures_total", Kind.counter,
@@ -107,10 +113,25 @@ KV_LEASES_EXPIRED = MetricDef("moe_serve_kv_leases_expired_total", Kind.counter,
                               "Prefill leases freed by their deadline instead of a release (a decode "
                               "never pulled or never confirmed).", ("pool",))
 
+# The autoscaler's own metrics, exported from the Serve controller process (autoscaler/serve_loop.py).
+AUTOSCALER_TARGET = MetricDef("moe_serve_autoscaler_target_replicas", Kind.gauge,
+                              "Replicas (expert-parallel groups) the autoscaler wants for each pool.", ("pool",))
+AUTOSCALER_CURRENT = MetricDef("moe_serve_autoscaler_current_replicas", Kind.gauge,
+                               "Replicas (groups) each pool had when the autoscaler last decided.", ("pool",))
+AUTOSCALER_DECISIONS = MetricDef("moe_serve_autoscaler_decisions_total", Kind.counter,
+                                 "Autoscaler decisions per pool by action (scale_out, scale_in, hold).",
+                                 ("pool", "action"))
+AUTOSCALER_HOLDING = MetricDef("moe_serve_autoscaler_holding", Kind.gauge,
+                               "1 while the autoscaler holds every pool because its metrics are unreachable "
+                               "or stale, by reason; 0 otherwise.", ("reason",))
+AUTOSCALER_LAST_DECISION = MetricDef("moe_serve_autoscaler_last_decision_timestamp_seconds", Kind.gauge,
+                                     "Unix time of the autoscaler's latest decision (a stuck loop stops it).")
+
 CATALOGUE: tuple[MetricDef, ...] = (
     REQUESTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
-    ENGINE_IN_FLIGHT, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
+    ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
+    AUTOSCALER_TARGET, AUTOSCALER_CURRENT, AUTOSCALER_DECISIONS, AUTOSCALER_HOLDING, AUTOSCALER_LAST_DECISION,
 )
 
 

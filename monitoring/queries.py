@@ -133,7 +133,26 @@ SCRAPE_UP = Query("scrape_up", 'min(up{job="ray"})', "all targets up", "short", 
 METRICS_AGE = Query("metrics_age", f"time() - max(timestamp({series(m.ENGINE_IN_FLIGHT)}))", "age", "s",
                     "Age of the newest engine metric sample")
 
+# -- autoscaler (exported by the Serve controller while a manifest autoscales) ------------------------------
+AUTOSCALER_TARGETS = Query("autoscaler_targets", f"max by (pool) ({series(m.AUTOSCALER_TARGET)})", "{{pool}} target",
+                           "short", "Autoscaler target replicas (groups) per pool")
+AUTOSCALER_CURRENT = Query("autoscaler_current", f"max by (pool) ({series(m.AUTOSCALER_CURRENT)})",
+                           "{{pool}} current", "short", "Replicas (groups) per pool at the latest decision")
+_SCALING_ACTIONS = series(m.AUTOSCALER_DECISIONS) + '{action!="hold"}'
+AUTOSCALER_ACTIONS = Query(
+    "autoscaler_actions", f"sum by (pool, action) ({recent_increase(_SCALING_ACTIONS)})",
+    "{{pool}} {{action}}", "short", "Scale-outs and scale-ins in the last 10 minutes")
+AUTOSCALER_HOLDING = Query("autoscaler_holding", f"max by (reason) ({series(m.AUTOSCALER_HOLDING)})", "{{reason}}",
+                           "short", "Autoscaler holding all pools (1) because metrics are unreachable or stale")
+AUTOSCALER_DECISION_AGE = Query("autoscaler_decision_age", f"time() - max({series(m.AUTOSCALER_LAST_DECISION)})",
+                                "age", "s", "Seconds since the autoscaler's latest decision")
+ENGINE_WAITING_BY_POOL = Query("engine_waiting_by_pool", f"sum by (pool) ({series(m.ENGINE_WAITING)})", "{{pool}}",
+                               "short", "Requests waiting in the engines' schedulers per pool")
+
 ALL: tuple[Query, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Query))
+# Series that exist only while an autoscaling manifest runs (the Serve controller exports them).
+AUTOSCALER: tuple[Query, ...] = (AUTOSCALER_TARGETS, AUTOSCALER_CURRENT, AUTOSCALER_ACTIONS, AUTOSCALER_HOLDING,
+                                 AUTOSCALER_DECISION_AGE)
 BY_KEY: dict[str, Query] = {query.key: query for query in ALL}
 
 
@@ -144,8 +163,16 @@ def pool_running(pool: str) -> str:
 
 
 def pool_queued(pool: str) -> str:
-    """Requests waiting at Serve handles for a replica of the pool."""
-    return f'sum(ray_serve_deployment_queued_queries{{deployment="{pool}"}}) or vector(0)'
+    """Requests waiting for the pool: at Serve handles (no replica free) plus in its engines'
+    schedulers (admitted by a replica, not yet in a batch; where waiting mostly happens)."""
+    handles = f'sum(ray_serve_deployment_queued_queries{{deployment="{pool}"}}) or vector(0)'
+    engines = f'sum({series(m.ENGINE_WAITING)}{{pool="{pool}"}}) or vector(0)'
+    return f"({handles}) + ({engines})"
+
+
+def pool_kv_usage(pool: str) -> str:
+    """The fullest KV cache among the pool's engines (0..1)."""
+    return f'max({series(m.ENGINE_KV_USAGE)}{{pool="{pool}"}})'
 
 
 def pool_metrics_age(pool: str) -> str:
@@ -153,6 +180,18 @@ def pool_metrics_age(pool: str) -> str:
     return f'time() - max(timestamp({series(m.ENGINE_IN_FLIGHT)}{{pool="{pool}"}}))'
 
 
-ARRIVAL_RPS = f"sum(rate({series(m.REQUESTS)}[{RATE_WINDOW}]))"
-TTFT_P90_5M = quantile(0.9, m.TTFT, window="2m")
-TPOT_P90_5M = quantile(0.9, m.TPOT, window="2m")
+def ttft_p90(window: str) -> str:
+    return quantile(0.9, m.TTFT, window=window)
+
+
+def itl_p90(window: str) -> str:
+    return quantile(0.9, m.TPOT, window=window)
+
+
+def arrival_rps(window: str) -> str:
+    return f"sum(rate({series(m.REQUESTS)}[{window}]))"
+
+
+def kv_pull_latency(window: str) -> str:
+    return (f"sum(rate({series(m.KV_PULL_SECONDS)}[{window}])) / "
+            f'sum(rate({series(m.KV_PULLS)}{{outcome="ok"}}[{window}]))')

@@ -23,12 +23,15 @@ POOLS = [PoolRef("prefill", "prefill"), PoolRef("decode", "decode", ranks_per_re
 
 
 def test_each_pool_gets_its_own_signals():
-    api = FakeAPI({q.TTFT_P90_5M: 2.5, q.TPOT_P90_5M: 0.12, q.ARRIVAL_RPS: 4.0, q.KV_PULL_LATENCY.expr: 0.003,
+    api = FakeAPI({q.ttft_p90("30s"): 2.5, q.itl_p90("30s"): 0.12, q.arrival_rps("30s"): 4.0,
+                   q.kv_pull_latency("30s"): 0.003, q.pool_kv_usage("decode"): 0.4, q.pool_kv_usage("prefill"): 0.9,
                    q.pool_metrics_age("prefill"): 3.0, q.pool_metrics_age("decode"): 4.0,
                    q.pool_queued("prefill"): 5.0, q.pool_running("decode"): 7.0})
-    prefill, decode = PrometheusSource(api, POOLS).observe({"prefill": 1, "decode": 1}, {"decode": 1})
+    prefill, decode = PrometheusSource(api, POOLS, window="30s").observe({"prefill": 1, "decode": 1}, {"decode": 1})
     assert (prefill.ttft_p90_s, prefill.itl_p90_s, prefill.queue_depth, prefill.kv_transfer_s) == (2.5, None, 5.0, None)
     assert (decode.ttft_p90_s, decode.itl_p90_s, decode.running, decode.kv_transfer_s) == (None, 0.12, 7.0, 0.003)
+    # Prefill's cache holds prompts only until decode pulls them: its fullness is no decode signal.
+    assert (prefill.kv_cache_usage, decode.kv_cache_usage) == (None, 0.4)
     assert decode.ranks_per_replica == 2 and decode.starting_replicas == 1
     assert prefill.arrival_rps == decode.arrival_rps == 4.0
     assert (prefill.metrics_age_s, decode.metrics_age_s) == (3.0, 4.0)
