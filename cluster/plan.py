@@ -60,6 +60,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     model_facts: ModelFacts | None = None
     kv_transfer: str | None = None  # one line describing the transfer path, when disaggregated
+    autoscaling: str | None = None  # one line: bounds per pool and how the controller decides
 
 
 def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
@@ -104,7 +105,30 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
         t = manifest.kv_transfer
         kv = (f"decode pulls prompt KV from prefill over {t.backend}; lease {t.lease_s:g}s, "
               f"timeout {t.transfer_timeout_s:g}s, on failure: {t.failure_policy}")
-    return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv)
+    return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv,
+                _autoscaling_line(manifest, warnings))
+
+
+def _autoscaling_line(manifest: Manifest, warnings: list[str]) -> str | None:
+    if not manifest.autoscaled:
+        return None
+    spec = manifest.autoscaling
+    nodes = manifest.local_cluster.nodes if manifest.local_cluster else []
+    bounds = []
+    for pool in manifest.pools:
+        unit = " groups" if pool.expert_parallel else ""
+        bounds.append(f"{pool.name} {pool.autoscaling.min_replicas}..{pool.autoscaling.max_replicas}{unit}")
+        matching = [n for n in nodes if pool.placement.node_labels.items() <= n.labels.items()]
+        need = pool.autoscaling.max_replicas * pool.ranks_per_replica * pool.placement.num_cpus
+        have = sum(n.num_cpus for n in matching)
+        if nodes and need > have:
+            warnings.append(f"pool {pool.name} at max_replicas needs {need:g} CPUs on its nodes, which advertise "
+                            f"{have:g}: replicas beyond that stay pending; lower max_replicas or add nodes")
+    source = spec.prometheus_url or f"the local Prometheus (port {manifest.observability.prometheus_port})"
+    budget = f", budget {spec.budget_units:g} {'GPUs' if manifest.accelerator.value == 'gpu' else 'CPUs'}" \
+        if spec.budget_units else ""
+    return (f"{', '.join(bounds)}; decides every {spec.decision_interval_s:g}s from {source}; cooldown out "
+            f"{spec.scale_out_cooldown_s:g}s / in {spec.scale_in_cooldown_s:g}s{budget}")
 
 
 def _expert_range(facts: ModelFacts | None, rank: int, size: int) -> tuple[int, int] | None:
@@ -168,6 +192,8 @@ def render_plan(plan: Plan) -> str:
     for pool in plan.pools:
         if pool.expert_parallel:
             lines.append(f"experts      pool {pool.name}: {pool.expert_parallel}")
+    if plan.autoscaling:
+        lines.append(f"autoscaling  {plan.autoscaling}")
     lines.append("")
     lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'rank':<6}{'experts':<10}{'node':<30}"
                  f"{'cpus':>6}{'gpus':>6}  {'weights':<11}kv cache")

@@ -49,12 +49,16 @@ def deploy(manifest: Manifest, progress=print) -> DeployResult:
     serve.start(http_options={"host": manifest.http.host, "port": manifest.http.port},
                 proxy_location=manifest.http.proxy_location)
     progress(f"deploying application '{manifest.name}': "
-             + ", ".join(f"{p.name} x{p.replicas} ({p.role.value})" for p in manifest.pools)
+             + ", ".join(f"{p.name} x{p.replicas} ({p.role.value}{_bounds(p)})" for p in manifest.pools)
              + " (vLLM engines take ~30-60 s to start on CPU)")
     serve.run(build_app(manifest, model_path), name=manifest.name, route_prefix=manifest.http.route_prefix,
               blocking=False)
     url = f"http://{manifest.http.host}:{manifest.http.port}{manifest.http.route_prefix.rstrip('/')}"
     return DeployResult(manifest.name, url, manifest.model.name, time.monotonic() - started)
+
+
+def _bounds(pool) -> str:
+    return f", autoscaled {pool.autoscaling.min_replicas}..{pool.autoscaling.max_replicas}" if pool.autoscaling else ""
 
 
 def status_text() -> str:

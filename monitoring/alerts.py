@@ -54,6 +54,10 @@ def alert_rules(ttft_slo_s: float, itl_slo_s: float, *, imbalance_ratio: float =
                   f"the busiest expert serves over {imbalance_ratio:g}x the mean expert's tokens"),
         AlertRule("MoeServeMetricsStale", q.METRICS_AGE, ">", 60, "1m", "page",
                   "no engine metric sample for over a minute: metrics pipeline or engines down"),
+        AlertRule("MoeServeAutoscalerHolding", q.AUTOSCALER_HOLDING, ">", 0, "2m", "page",
+                  "the autoscaler holds every pool: its metrics are unreachable or stale"),
+        AlertRule("MoeServeAutoscalerStalled", q.AUTOSCALER_DECISION_AGE, ">", 300, "1m", "page",
+                  "the autoscaler has made no decision for 5 minutes (its loop in the Serve controller stopped)"),
         AlertRule("MoeServeMetricsTargetDown", q.SCRAPE_UP, "<", 1, "1m", "page",
                   "a Ray metrics endpoint is not answering Prometheus's scrapes"),
     ]

@@ -67,6 +67,7 @@ def pools() -> Dashboard:
             .with_panel(_panel("Requests in flight per engine", q.IN_FLIGHT))
             .with_panel(_panel("Healthy replicas", q.REPLICAS_HEALTHY))
             .with_panel(_panel("vLLM running and waiting", q.ENGINE_RUNNING, q.ENGINE_WAITING))
+            .with_panel(_panel("Waiting in engine schedulers per pool", q.ENGINE_WAITING_BY_POOL))
             .with_panel(_panel("vLLM KV cache usage", q.KV_CACHE_USAGE))
             .with_panel(_panel("Queued at Serve handles", q.SERVE_QUEUED))
             .with_panel(_panel("Replica starts (10 min)", q.REPLICA_STARTS)))
@@ -91,10 +92,24 @@ def experts() -> Dashboard:
             .with_panel(_panel("Groups broken by a dead rank (10 min)", q.GROUP_FAILURES, width=24)))
 
 
+def autoscaler(ttft_slo_s: float, itl_slo_s: float) -> Dashboard:
+    """What the coordinated autoscaler decided, and the signals it decided from."""
+    return (_dashboard("moe-serve-autoscaler", "moe-serve / autoscaler")
+            .with_panel(_panel("Target vs current replicas (groups) per pool", q.AUTOSCALER_TARGETS,
+                               q.AUTOSCALER_CURRENT, unit="short"))
+            .with_panel(_panel("Healthy replicas", q.REPLICAS_HEALTHY))
+            .with_panel(_panel("Scale-outs and scale-ins (10 min)", q.AUTOSCALER_ACTIONS))
+            .with_panel(_panel("Holding: metrics unreachable or stale", q.AUTOSCALER_HOLDING))
+            .with_panel(_panel("Input: time to first token p90 (prefill)", q.TTFT_P90, threshold=ttft_slo_s))
+            .with_panel(_panel("Input: inter-token latency p90 (decode)", q.TPOT_P90, threshold=itl_slo_s))
+            .with_panel(_panel("Input: requests waiting in engines per pool", q.ENGINE_WAITING_BY_POOL))
+            .with_panel(_panel("Seconds since the latest decision", q.AUTOSCALER_DECISION_AGE)))
+
+
 def all_dashboards(ttft_slo_s: float = 2.0, itl_slo_s: float = 0.2) -> dict[str, dict]:
     """File name -> dashboard JSON (as plain data)."""
     built = {"overview": overview(ttft_slo_s, itl_slo_s), "pools": pools(), "kv-transfer": kv_transfer(),
-             "experts": experts()}
+             "experts": experts(), "autoscaler": autoscaler(ttft_slo_s, itl_slo_s)}
     encoder = JSONEncoder(sort_keys=True, indent=2)
     return {f"moe-serve-{name}.json": json.loads(encoder.encode(board.build())) for name, board in built.items()}
 
