@@ -21,6 +21,8 @@ from autoscaler.observations import (ControllerConfig, Decision, PoolLimits, Poo
 from autoscaler.pool_history import PoolHistory
 from autoscaler.pool_plan import plan_pool
 
+NO_SAMPLES_AGE_S = 1e8  # sources report a pool without any sample as this old (or older)
+
 
 class CoordinatedController:
     def __init__(self, config: ControllerConfig, limits: Sequence[PoolLimits]):
@@ -72,7 +74,7 @@ class CoordinatedController:
             return f"no observation for pool(s) {', '.join(missing)}"
         stale = [obs for obs in by_pool.values() if obs.metrics_age_s > self.config.stale_after_s]
         if stale:
-            ages = ", ".join(f"{obs.pool} {obs.metrics_age_s:.0f}s" for obs in stale)
+            ages = ", ".join(f"{obs.pool} {_age(obs.metrics_age_s)}" for obs in stale)
             return f"stale metrics ({ages} > {self.config.stale_after_s:.0f}s)"
         return None
 
@@ -85,3 +87,7 @@ class CoordinatedController:
             by_pool[obs.pool] = obs
         # Configured order, so decisions (and replays) come out in a stable order.
         return {name: by_pool[name] for name in self.limits if name in by_pool}
+
+
+def _age(seconds: float) -> str:
+    return "no samples" if seconds >= NO_SAMPLES_AGE_S else f"{seconds:.0f}s"

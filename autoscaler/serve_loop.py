@@ -87,6 +87,7 @@ class DecisionLoop:
             collections.deque(maxlen=HISTORY)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hold_logged: tuple[str | None, float] = (None, 0.0)  # (kind, when) of the last HOLD line
 
     # -- called by Serve's policy (any thread) ------------------------------------------------------
     def report(self, pool: str, target: int, running: int) -> int:
@@ -146,8 +147,15 @@ class DecisionLoop:
     def _publish(self, observations: list[PoolObservation] | None, decisions: ScalingDecisions) -> None:
         summary = ", ".join(f"{d.pool} {d.current}->{d.target}" for d in decisions.decisions)
         if decisions.held:
-            logger.warning("autoscaler %s: HOLD (%s): %s", self.settings.app, decisions.hold_reason, summary)
+            # Once when a hold starts or changes kind, then once a minute: holds can last long.
+            kind = hold_kind(observations, decisions)
+            if kind != self._hold_logged[0] or decisions.at_s - self._hold_logged[1] >= 60.0:
+                logger.warning("autoscaler %s: HOLD (%s): %s", self.settings.app, decisions.hold_reason, summary)
+                self._hold_logged = (kind, decisions.at_s)
         else:
+            if self._hold_logged[0] is not None:
+                logger.info("autoscaler %s: metrics usable again, deciding", self.settings.app)
+            self._hold_logged = (None, 0.0)
             for decision in decisions.decisions:
                 log = logger.info if decision.delta else logger.debug
                 log("autoscaler %s: %s %d -> %d: %s", self.settings.app, decision.pool, decision.current,

@@ -53,7 +53,8 @@ def _build_loop(settings_json: dict, record_path: str | None):
     from monitoring.prometheus_api import PrometheusAPI
 
     settings = AutoscalerSettings.from_json(settings_json)
-    # Short timeout: a hung Prometheus delays one decision, not the next ones.
-    api = PrometheusAPI(settings.prometheus_url, timeout_s=max(1.0, settings.decision_interval_s / 2))
+    # A loaded Prometheus may take seconds to answer; a hung one delays only this loop's next
+    # decision (Serve keeps getting the previous targets meanwhile).
+    api = PrometheusAPI(settings.prometheus_url, timeout_s=max(5.0, settings.decision_interval_s))
     source = PrometheusSource(api, [pool.ref for pool in settings.pools], window=f"{settings.metrics_window_s:g}s")
     return DecisionLoop(settings, source, metrics=AutoscalerMetrics(MetricsExporter()), record_path=record_path)

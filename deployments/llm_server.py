@@ -172,10 +172,14 @@ class LLMServer:
 
     async def wait_forever(self) -> None:
         """Never returns: the group's watchdog awaits it to learn at once when this rank dies."""
+        self._ensure_exporting()  # a rank's first call: from now on its metrics are fresh even when idle
         await asyncio.Event().wait()
 
     async def check_health(self) -> None:
         """Called by Serve periodically; raising marks the replica unhealthy and restarts it."""
+        # Export from the first health check on, not the first request: an idle pool must look
+        # idle to the autoscaler, not stale (which makes it hold every pool).
+        self._ensure_exporting()
         await self._engine.check_health()
 
     def shutdown_engine(self) -> None:

@@ -43,6 +43,23 @@ def _log(message: str) -> None:
     print(f"[stack] {message}", file=sys.stderr, flush=True)
 
 
+def submit_deploy(dashboard_url: str, manifest_path: Path) -> None:
+    """`ray job submit -- moe-serve deploy MANIFEST`, as users run it; waits for the job."""
+    for attempt in range(6):
+        job = subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard_url,
+             "--working-dir", str(REPO), "--", "moe-serve", "deploy", str(manifest_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_AUTH_MODE": "token"},
+        )
+        # A loaded machine can take a while to bring up the job agents after the nodes.
+        if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr:
+            break
+        _log(f"job agents not up yet (attempt {attempt + 1}); retrying in 5 s")
+        time.sleep(5)
+    if job.returncode != 0:
+        raise RuntimeError(f"ray job submit failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}")
+
+
 @pytest.fixture(scope="session")
 def reference_outputs(tmp_path_factory) -> dict:
     """Greedy outputs of one plain vLLM engine, computed once per session in a subprocess."""
@@ -90,19 +107,7 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
         connect(cluster.address)
         started = time.monotonic()
         _log("deploying through `ray job submit -- moe-serve deploy`")
-        for attempt in range(6):
-            job = subprocess.run(
-                [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster.dashboard_url,
-                 "--working-dir", str(REPO), "--", "moe-serve", "deploy", str(manifest_path)],
-                cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_AUTH_MODE": "token"},
-            )
-            # A loaded machine can take a while to bring up the job agents after the nodes.
-            if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr:
-                break
-            _log(f"job agents not up yet (attempt {attempt + 1}); retrying in 5 s")
-            time.sleep(5)
-        if job.returncode != 0:
-            raise RuntimeError(f"ray job submit failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}")
+        submit_deploy(cluster.dashboard_url, manifest_path)
         _log(f"deployed in {time.monotonic() - started:.0f}s")
         yield Stack(
             base_url=f"http://127.0.0.1:{TEST_HTTP_PORT}", model=manifest.model.name, app_name=manifest.name,

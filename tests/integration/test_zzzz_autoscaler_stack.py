@@ -1,0 +1,263 @@
+"""The coordinated autoscaler on the real stack: Serve's controller runs our policy, which reads a
+real Prometheus scraping the real engines, and Serve adds and removes real vLLM replicas.
+
+One scenario, in order (the steps build on each other, like the load they model):
+1. the session's application is redeployed from manifests/local-autoscaling.yaml (through
+   `ray job submit`), reading its own Prometheus, which this module can stop;
+2. low load: nothing moves;
+3. a step to high load of long prompts: prefill's queue and TTFT breach, prefill (and only
+   prefill) scales out, and Serve starts the second engine;
+4. back to low load: prefill scales in after its cooldown, never flapping;
+5. Prometheus stops: the autoscaler holds every pool and says why (log, metric, recording);
+   it restarts: decisions resume, and the autoscaler's dashboard and alert queries have data;
+6. the live decision log replays to the same decisions through a fresh controller.
+
+Runs last (file order): it changes the session's application.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import REPO, TEST_HTTP_PORT, TEST_METRICS_BASE, _log, submit_deploy
+
+pytestmark = pytest.mark.integration
+
+AUTOSCALER_PROMETHEUS_PORT = 9392
+# The Serve controller (where the autoscaler runs) lives on the head node: node 0's metrics port.
+HEAD_METRICS_URL = f"http://127.0.0.1:{TEST_METRICS_BASE}/metrics"
+LONG_PROMPT = "lorem ipsum dolor " * 100  # ~1,400 tokens: a few fill a CPU prefill step
+
+
+@dataclass
+class Autoscaled:
+    prometheus: object
+    record_path: Path
+    app: str
+    model: str
+    base_url: str
+    scale_out_cooldown_s: float
+    scale_in_cooldown_s: float
+
+    def decisions(self) -> list[dict]:
+        try:
+            return json.loads(self.record_path.read_text())["decisions"]
+        except (OSError, ValueError, KeyError):  # not written yet
+            return []
+
+    def wait_for(self, what: str, predicate, timeout_s: float, poll_s: float = 1.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            result = predicate()
+            if result:
+                return result
+            time.sleep(poll_s)
+        last = self.decisions()[-3:]
+        raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}; last decisions: {last}")
+
+
+class Load:
+    """Closed-loop clients: each sends its next request when the previous one finished."""
+
+    def __init__(self, stack: Autoscaled, clients: int, prompt: str, max_tokens: int, pause_s: float = 0.0):
+        self._stop = threading.Event()
+        self.statuses: list[int] = []
+        self._threads = [threading.Thread(target=self._client, args=(stack, i, prompt, max_tokens, pause_s),
+                                          daemon=True) for i in range(clients)]
+
+    def _client(self, stack: Autoscaled, index: int, prompt: str, max_tokens: int, pause_s: float) -> None:
+        with httpx.Client(timeout=120) as client:
+            sent = 0
+            while not self._stop.is_set():
+                try:
+                    response = client.post(f"{stack.base_url}/v1/completions", json={
+                        "model": stack.model, "prompt": f"{index} {sent} {prompt}", "max_tokens": max_tokens})
+                    self.statuses.append(response.status_code)
+                except httpx.HTTPError:
+                    self.statuses.append(0)
+                sent += 1
+                self._stop.wait(pause_s)
+
+    def __enter__(self) -> "Load":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=130)
+
+
+class ReplicaSampler:
+    """Serve's running replicas per pool, sampled every second (what the actuator achieved)."""
+
+    def __init__(self, app: str):
+        self.app, self.samples = app, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from ray import serve
+
+        while not self._stop.is_set():
+            try:
+                deployments = serve.status().applications[self.app].deployments
+                self.samples.append((time.monotonic(), {name: dep.replica_states.get("RUNNING", 0)
+                                                        for name, dep in deployments.items()}))
+            except Exception:  # a status call during a redeploy: try again
+                pass
+            self._stop.wait(1.0)
+
+    def running(self, pool: str) -> int:
+        return self.samples[-1][1].get(pool, 0) if self.samples else 0
+
+    def __enter__(self) -> "ReplicaSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def autoscaled(stack, tmp_path_factory):
+    from cluster.manifest import load_manifest
+    from monitoring.alerts import rules_for_manifest
+    from monitoring.local_prometheus import LocalPrometheus
+
+    work = tmp_path_factory.mktemp("autoscaler")
+    data = yaml.safe_load((REPO / "manifests" / "local-autoscaling.yaml").read_text())
+    data["http"]["port"] = TEST_HTTP_PORT
+    # Prefill is the pool this scenario overloads; a generous ITL target keeps decode's latency,
+    # which the same two cores slow down, from being a reason to grow decode.
+    data["slo"] = {"ttft_ms": 1000, "itl_ms": 5000}
+    data["autoscaling"].update(prometheus_url=f"http://127.0.0.1:{AUTOSCALER_PROMETHEUS_PORT}",
+                               record_path=str(work / "decisions.json"), metrics_window_s=15)
+    manifest_path = work / "local-autoscaling-test.yaml"
+    manifest_path.write_text(yaml.safe_dump(data))
+    manifest = load_manifest(manifest_path)
+    prometheus = LocalPrometheus(port=AUTOSCALER_PROMETHEUS_PORT, scrape_interval_s=1.0, workdir=work / "prometheus",
+                                 rules=rules_for_manifest(manifest))
+    prometheus.start(progress=_log)
+    started = time.monotonic()
+    _log("redeploying with autoscaling through `ray job submit -- moe-serve deploy`")
+    submit_deploy(stack.dashboard_url, manifest_path)  # returns once the application is running
+    deployed_at = time.time()
+    _log(f"redeployed in {time.monotonic() - started:.0f}s")
+    scaled = Autoscaled(prometheus, work / "decisions.json", manifest.name, manifest.model.name, stack.base_url,
+                        manifest.autoscaling.scale_out_cooldown_s, manifest.autoscaling.scale_in_cooldown_s)
+    try:
+        # Idle engines export from their first health check, so decisions start without traffic.
+        scaled.wait_for("a decision on the new engines' metrics",
+                        lambda: any(d["at_s"] > deployed_at and not d["held"] for d in scaled.decisions()),
+                        timeout_s=120)
+        yield scaled
+    finally:
+        prometheus.stop()
+
+
+def _changes(decisions: list[dict], pool: str) -> list[tuple[float, int, int]]:
+    """(at_s, from, to) for every decision that changed the pool's target."""
+    out, previous = [], None
+    for decision in decisions:
+        target = decision["targets"][pool]
+        if previous is not None and target != previous:
+            out.append((decision["at_s"], previous, target))
+        previous = target
+    return out
+
+
+def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled):
+    with ReplicaSampler(autoscaled.app) as replicas:
+        # 1. Low load: a short request now and then. Nothing moves.
+        with Load(autoscaled, clients=1, prompt="hello", max_tokens=8, pause_s=1.0) as low:
+            time.sleep(20)
+            assert all(d["targets"] == {"prefill": 1, "decode": 1} for d in autoscaled.decisions()), \
+                autoscaled.decisions()[-3:]
+
+            # 2. High load: twelve clients sending ~1,400-token prompts back to back.
+            with Load(autoscaled, clients=12, prompt=LONG_PROMPT, max_tokens=4) as high:
+                out = autoscaled.wait_for("prefill to scale out", lambda: next(
+                    (d for d in autoscaled.decisions() if d["targets"]["prefill"] == 2), None), timeout_s=120)
+                _log(f"scale-out decision: {out['reasons']['prefill']}")
+                autoscaled.wait_for("Serve to run the second prefill engine",
+                                    lambda: replicas.running("prefill") == 2, timeout_s=240)
+            assert set(high.statuses) == {200}, sorted(set(high.statuses))
+
+            # 3. Low load again: prefill comes back to one engine after its cooldown.
+            autoscaled.wait_for("prefill to scale back in", lambda: autoscaled.decisions()[-1]["targets"]["prefill"]
+                                == 1, timeout_s=180)
+            autoscaled.wait_for("Serve to stop the second prefill engine",
+                                lambda: replicas.running("prefill") == 1, timeout_s=60)
+        assert set(low.statuses) == {200}, sorted(set(low.statuses))
+
+    decisions = autoscaled.decisions()
+    prefill = _changes(decisions, "prefill")
+    assert [(before, after) for _at, before, after in prefill] == [(1, 2), (2, 1)], prefill
+    # Only prefill was short of capacity: decode never moved.
+    assert _changes(decisions, "decode") == []
+    assert re.search(r"scale out: .*(queue|ttft)", out["reasons"]["prefill"]), out["reasons"]["prefill"]
+    scale_in = next(d for d in decisions if d["at_s"] == prefill[1][0])
+    assert scale_in["reasons"]["prefill"].startswith("scale in: calm"), scale_in["reasons"]["prefill"]
+    # The replica count changes direction at most once per cooldown window.
+    assert prefill[1][0] - prefill[0][0] >= autoscaled.scale_in_cooldown_s
+    # What Serve ran followed the decisions: 1, then 2, then 1 prefill engines.
+    running = [sample["prefill"] for _t, sample in replicas.samples if "prefill" in sample]
+    directions = [b - a for a, b in zip(running, running[1:]) if b != a]
+    assert directions == [1, -1], running
+
+
+def _head_metric(name: str, **labels: str) -> float | None:
+    text = httpx.get(HEAD_METRICS_URL, timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_stopping_prometheus_makes_the_autoscaler_hold_and_say_so(autoscaled):
+    from monitoring.prometheus_api import PrometheusAPI
+    from monitoring.queries import AUTOSCALER
+
+    autoscaled.prometheus.stop()
+    stopped_at = time.time()
+    held = autoscaled.wait_for("a held decision after Prometheus stopped", lambda: next(
+        (d for d in autoscaled.decisions() if d["at_s"] > stopped_at and d["held"]), None), timeout_s=30)
+    assert all("metrics source unreachable" in reason for reason in held["reasons"].values()), held
+    assert held["targets"] == {"prefill": 1, "decode": 1}  # holds where it is
+    # The Serve controller's own metrics endpoint says so (Prometheus itself is down).
+    autoscaled.wait_for("the holding metric", lambda: _head_metric(
+        "ray_moe_serve_autoscaler_holding", reason="unreachable") == 1.0, timeout_s=60)
+
+    autoscaled.prometheus.start(progress=_log)
+    restarted_at = time.time()
+    autoscaled.wait_for("decisions to resume", lambda: next(
+        (d for d in autoscaled.decisions() if d["at_s"] > restarted_at and not d["held"]), None), timeout_s=60)
+    # The autoscaler dashboard's and alert rules' own queries have data in the restarted Prometheus.
+    api = PrometheusAPI(autoscaled.prometheus.url)
+    autoscaled.wait_for("every autoscaler query to have data",
+                        lambda: all(api.query(query.expr) for query in AUTOSCALER), timeout_s=60)
+    holding = {s.labels["reason"]: s.value for s in api.query("ray_moe_serve_autoscaler_holding")}
+    assert holding.get("unreachable") in (0.0, 1.0)  # exported with its reason label
+
+
+def test_the_live_decision_log_replays_to_the_same_decisions(autoscaled):
+    from autoscaler.controller import CoordinatedController
+    from autoscaler.replay import load_case
+
+    config, limits, steps = load_case(autoscaled.record_path)
+    live = [d["targets"] for d in json.loads(autoscaled.record_path.read_text())["decisions"]]
+    assert len(steps) == len(live) > 20
+    fresh = CoordinatedController(config, limits)
+    assert [fresh.decide(observations, at_s).targets() for at_s, observations in steps] == live
