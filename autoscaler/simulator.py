@@ -78,7 +78,9 @@ class SimReport:
     total_unit_seconds: float
     goodput_per_unit_s: float  # slo_met / total_unit_seconds
     ttft_p90_s: float
-    itl_p90_s: float
+    itl_p90_s: float  # of per-request mean inter-token latency
+    ttft_p50_s: float
+    itl_p50_s: float
     scaling_changes: int  # decisions that changed a pool's target
     wall_s: float
     cpu_s: float  # process CPU time of the run: steadier than wall time on a shared machine
@@ -231,4 +233,6 @@ class _Simulation:
             goodput_per_unit_s=met / total if total else 0.0,
             ttft_p90_s=float(np.nanpercentile(ttft, 90)) if finished.any() else math.nan,
             itl_p90_s=float(np.nanpercentile(itl, 90)) if finished.any() else math.nan,
+            ttft_p50_s=float(np.nanpercentile(ttft, 50)) if finished.any() else math.nan,
+            itl_p50_s=float(np.nanpercentile(itl, 50)) if finished.any() else math.nan,
             scaling_changes=self.changes, wall_s=wall_s, cpu_s=cpu_s, timeline=self.timeline)

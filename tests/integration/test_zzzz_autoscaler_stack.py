@@ -186,8 +186,9 @@ def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled
             assert all(d["targets"] == {"prefill": 1, "decode": 1} for d in autoscaled.decisions()), \
                 autoscaled.decisions()[-3:]
 
-            # 2. High load: twelve clients sending ~1,400-token prompts back to back.
-            with Load(autoscaled, clients=12, prompt=LONG_PROMPT, max_tokens=4) as high:
+            # 2. High load: six clients sending ~1,400-token prompts back to back (six queue behind
+            # one prefill engine; more only slows the second engine's start on two cores).
+            with Load(autoscaled, clients=6, prompt=LONG_PROMPT, max_tokens=4) as high:
                 out = autoscaled.wait_for("prefill to scale out", lambda: next(
                     (d for d in autoscaled.decisions() if d["targets"]["prefill"] == 2), None), timeout_s=120)
                 _log(f"scale-out decision: {out['reasons']['prefill']}")
