@@ -5,8 +5,10 @@ each pool from its own signals (`pool_plan`), fit the plans together (`coordinat
 partners, prefill:decode ratio, shared budget), remember what changed (`pool_history`).
 
 Holds (targets == current, held=True): observations None or empty (metrics unreachable), a
-configured pool without an observation, or any observation older than stale_after_s. While
-held nothing is remembered, so cooldowns and idle clocks resume from real measurements.
+configured pool without an observation, or the metrics of a pool with ready replicas older
+than stale_after_s. A pool without a ready replica (at zero, or all starting) has no engine to
+export and is never stale: its wake-up reads the ingress's arrivals and queue. While held
+nothing is remembered, so cooldowns and idle clocks resume from real measurements.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class CoordinatedController:
         missing = [name for name in self.limits if name not in by_pool]
         if missing:
             return f"no observation for pool(s) {', '.join(missing)}"
-        stale = [obs for obs in by_pool.values() if obs.metrics_age_s > self.config.stale_after_s]
+        stale = [obs for obs in by_pool.values()
+                 if obs.ready_replicas > 0 and obs.metrics_age_s > self.config.stale_after_s]
         if stale:
             ages = ", ".join(f"{obs.pool} {_age(obs.metrics_age_s)}" for obs in stale)
             return f"stale metrics ({ages} > {self.config.stale_after_s:.0f}s)"

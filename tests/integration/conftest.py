@@ -37,6 +37,7 @@ class Stack:
     manifest_path: Path
     max_model_len: int
     prometheus_url: str = ""
+    prometheus: object = None  # the session's LocalPrometheus (the autoscaler module stops it)
 
 
 def _log(message: str) -> None:
@@ -112,7 +113,7 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
         yield Stack(
             base_url=f"http://127.0.0.1:{TEST_HTTP_PORT}", model=manifest.model.name, app_name=manifest.name,
             dashboard_url=cluster.dashboard_url, manifest_path=manifest_path,
-            max_model_len=manifest.model.max_model_len, prometheus_url=prometheus.url,
+            max_model_len=manifest.model.max_model_len, prometheus_url=prometheus.url, prometheus=prometheus,
         )
     finally:
         prometheus.stop()

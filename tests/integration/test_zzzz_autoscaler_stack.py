@@ -10,7 +10,9 @@ One scenario, in order (the steps build on each other, like the load they model)
 4. back to low load: prefill scales in after its cooldown, never flapping;
 5. Prometheus stops: the autoscaler holds every pool and says why (log, metric, recording);
    it restarts: decisions resume, and the autoscaler's dashboard and alert queries have data;
-6. the live decision log replays to the same decisions through a fresh controller.
+6. the live decision log replays to the same decisions through a fresh controller;
+7. left idle, prefill (min_replicas 0) scales to zero; the next request waits at the ingress
+   while prefill wakes up, and gets its answer (not a 503).
 
 Runs last (file order): it changes the session's application.
 """
@@ -36,6 +38,7 @@ AUTOSCALER_PROMETHEUS_PORT = 9392
 # The Serve controller (where the autoscaler runs) lives on the head node: node 0's metrics port.
 HEAD_METRICS_URL = f"http://127.0.0.1:{TEST_METRICS_BASE}/metrics"
 LONG_PROMPT = "lorem ipsum dolor " * 100  # ~1,400 tokens: a few fill a CPU prefill step
+SCALE_TO_ZERO_IDLE_S = 30
 
 
 @dataclass
@@ -139,15 +142,22 @@ def autoscaled(stack, tmp_path_factory):
     work = tmp_path_factory.mktemp("autoscaler")
     data = yaml.safe_load((REPO / "manifests" / "local-autoscaling.yaml").read_text())
     data["http"]["port"] = TEST_HTTP_PORT
-    # Prefill is the pool this scenario overloads; a generous ITL target keeps decode's latency,
-    # which the same two cores slow down, from being a reason to grow decode.
-    data["slo"] = {"ttft_ms": 1000, "itl_ms": 5000}
+    # Prefill is the pool this scenario overloads (prompts piling up in its engine, TTFT);
+    # targets this generous keep what the two shared cores do to latency at low load (TTFT of a
+    # short prompt up to ~2 s, ITL ~0.5 s) from reading as a breach, or from never reading as calm.
+    data["slo"] = {"ttft_ms": 4000, "itl_ms": 5000}
     data["autoscaling"].update(prometheus_url=f"http://127.0.0.1:{AUTOSCALER_PROMETHEUS_PORT}",
-                               record_path=str(work / "decisions.json"), metrics_window_s=15)
+                               record_path=str(work / "decisions.json"), metrics_window_s=15,
+                               scale_to_zero_idle_s=SCALE_TO_ZERO_IDLE_S)
+    prefill_pool = next(pool for pool in data["pools"] if pool["role"] == "prefill")
+    prefill_pool["autoscaling"]["min_replicas"] = 0  # idle prefill may go to zero (the last test)
     manifest_path = work / "local-autoscaling-test.yaml"
     manifest_path.write_text(yaml.safe_dump(data))
     manifest = load_manifest(manifest_path)
-    prometheus = LocalPrometheus(port=AUTOSCALER_PROMETHEUS_PORT, scrape_interval_s=1.0, workdir=work / "prometheus",
+    # This module runs last and needs no other Prometheus: two scraping at once (plus the engines,
+    # Ray's agents and the load) starve two cores until scrapes and queries time out.
+    stack.prometheus.stop()
+    prometheus = LocalPrometheus(port=AUTOSCALER_PROMETHEUS_PORT, scrape_interval_s=2.0, workdir=work / "prometheus",
                                  rules=rules_for_manifest(manifest))
     prometheus.start(progress=_log)
     started = time.monotonic()
@@ -186,9 +196,9 @@ def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled
             assert all(d["targets"] == {"prefill": 1, "decode": 1} for d in autoscaled.decisions()), \
                 autoscaled.decisions()[-3:]
 
-            # 2. High load: six clients sending ~1,400-token prompts back to back (six queue behind
-            # one prefill engine; more only slows the second engine's start on two cores).
-            with Load(autoscaled, clients=6, prompt=LONG_PROMPT, max_tokens=4) as high:
+            # 2. High load: eight clients sending ~1,400-token prompts back to back: they pile up
+            # inside the one prefill engine (running over its capacity of 2) and wait (TTFT).
+            with Load(autoscaled, clients=8, prompt=LONG_PROMPT, max_tokens=4) as high:
                 out = autoscaled.wait_for("prefill to scale out", lambda: next(
                     (d for d in autoscaled.decisions() if d["targets"]["prefill"] == 2), None), timeout_s=120)
                 _log(f"scale-out decision: {out['reasons']['prefill']}")
@@ -208,7 +218,7 @@ def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled
     assert [(before, after) for _at, before, after in prefill] == [(1, 2), (2, 1)], prefill
     # Only prefill was short of capacity: decode never moved.
     assert _changes(decisions, "decode") == []
-    assert re.search(r"scale out: .*(queue|ttft)", out["reasons"]["prefill"]), out["reasons"]["prefill"]
+    assert re.search(r"scale out: .*(running|queue|ttft)", out["reasons"]["prefill"]), out["reasons"]["prefill"]
     scale_in = next(d for d in decisions if d["at_s"] == prefill[1][0])
     assert scale_in["reasons"]["prefill"].startswith("scale in: calm"), scale_in["reasons"]["prefill"]
     # The replica count changes direction at most once per cooldown window.
@@ -262,3 +272,24 @@ def test_the_live_decision_log_replays_to_the_same_decisions(autoscaled):
     assert len(steps) == len(live) > 20
     fresh = CoordinatedController(config, limits)
     assert [fresh.decide(observations, at_s).targets() for at_s, observations in steps] == live
+
+
+def test_idle_prefill_goes_to_zero_and_the_next_request_waits_for_it_to_wake(autoscaled):
+    with ReplicaSampler(autoscaled.app) as replicas:
+        asleep = autoscaled.wait_for("prefill to scale to zero when idle", lambda: next(
+            (d for d in reversed(autoscaled.decisions()) if d["targets"]["prefill"] == 0), None),
+            timeout_s=SCALE_TO_ZERO_IDLE_S + 120)
+        assert "scale to zero" in asleep["reasons"]["prefill"], asleep["reasons"]
+        assert asleep["targets"]["decode"] == 1  # decode's min_replicas is 1
+        autoscaled.wait_for("Serve to stop the prefill engine", lambda: replicas.samples and replicas.running(
+            "prefill") == 0, timeout_s=60)
+
+        sent = time.time()
+        started = time.monotonic()
+        response = httpx.post(f"{autoscaled.base_url}/v1/completions", timeout=600, json={
+            "model": autoscaled.model, "prompt": "wake up", "max_tokens": 4})
+        _log(f"first request after scale to zero answered in {time.monotonic() - started:.0f}s")
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"]
+    woke = next(d for d in autoscaled.decisions() if d["at_s"] > sent and d["targets"]["prefill"] == 1)
+    assert woke["reasons"]["prefill"].startswith("waking from zero"), woke["reasons"]

@@ -343,6 +343,23 @@ def test_scale_from_zero_at_the_first_request_and_wake_the_partner():
     assert result["decode"].target == 1 and "woken with prefill" in result["decode"].reason
 
 
+def test_a_pool_without_ready_replicas_has_no_metrics_to_be_stale():
+    # At zero (or all starting) no engine exports: its newest sample is old or missing. That
+    # must not hold the controller, or a pool at zero could never wake up.
+    limits = (replace(PREFILL, min_replicas=0), DECODE)
+    policy = controller(limits)
+    asleep = replace(_idle(prefill(), 0), metrics_age_s=1e9, queue_depth=2.0, arrival_rps=0.5)
+    result = by_pool(policy.decide([asleep, decode(replicas=1, running=1.0, kv=0.01)], 0.0))
+    assert not policy.decide([asleep, decode(replicas=1, running=1.0, kv=0.01)], 15.0).held
+    assert result["prefill"].target == 1 and "waking from zero" in result["prefill"].reason
+    starting = prefill(replicas=1, starting_replicas=1, metrics_age_s=1e9)
+    held = by_pool(policy.decide([starting, decode(replicas=1, running=1.0, kv=0.01)], 30.0))
+    assert held["prefill"].target == 1 and "starting" in held["prefill"].reason
+    # Once a replica is ready its metrics count again.
+    stale = policy.decide([prefill(replicas=1, metrics_age_s=1e9), decode(replicas=1, running=1.0, kv=0.01)], 45.0)
+    assert stale.held and "prefill no samples" in stale.hold_reason
+
+
 # --- colocated ---
 
 def test_colocated_pool_reacts_to_ttft_and_itl():
