@@ -52,7 +52,9 @@ class CoordinatedController:
         plans = []
         for name, obs in by_pool.items():
             self._history[name].arrivals.add(now_s, obs.arrival_rps)
-            idle_for_s = self._history[name].observe_idle(obs.idle, now_s)
+            # Idle time counts only while the pool can serve: requests stuck behind starting
+            # replicas may not show up in any metric yet, and cutting a replica mid-start wastes it.
+            idle_for_s = self._history[name].observe_idle(obs.idle and obs.ready_replicas > 0, now_s)
             plans.append(plan_pool(obs, self.limits[name], self._history[name], self.config, now_s, idle_for_s))
         fitted = coordinate(plans, self.config.ratio_bounds, self.config.budget_units)
 

@@ -3,9 +3,11 @@
 Rule, in order (first match wins):
 1. at zero: wake to max(1, min_replicas) as soon as requests arrive or wait (no cooldown);
    otherwise stay at min_replicas;
-2. min_replicas == 0 and idle (nothing arriving, waiting or running) for scale_to_zero_idle_s:
-   go to zero in one decision (nothing runs, so nothing is cut off);
-3. no ready replica yet (all starting): hold, there is nothing to measure;
+2. no ready replica yet (all starting): hold, there is nothing to measure (and nothing to
+   call idle: requests waiting for the start may not show in any metric yet);
+3. min_replicas == 0 and idle (nothing arriving, waiting or running) for scale_to_zero_idle_s,
+   counted from the first ready replica: go to zero in one decision (nothing runs, so nothing
+   is cut off);
 4. pressure out > 1 (signals x arrival trend, see signals.py), and either clearly over
    (> 1 + h) or over in the previous decision too: scale out to sizing's scale_out_size.
    Sizes count *ready* replicas, so replicas still starting count as already ordered and a
@@ -72,11 +74,11 @@ def plan_pool(obs: PoolObservation, limits: PoolLimits, history: PoolHistory, co
             wake = min(max(1, limits.min_replicas), limits.max_replicas)
             return plan(wake, f"waking from zero: {_demand_text(obs)}", math.inf, lo=wake, hi=wake, waking=True)
         return plan(limits.min_replicas, "idle at zero" if limits.min_replicas == 0 else "raise to min_replicas")
+    if obs.ready_replicas == 0:
+        return plan(current, f"hold: all {current} replicas starting")
     if limits.min_replicas == 0 and idle_for_s >= config.scale_to_zero_idle_s:
         return plan(0, f"idle for {idle_for_s:.0f}s >= {config.scale_to_zero_idle_s:.0f}s: scale to zero", 0.0, 0,
                     lo=0)
-    if obs.ready_replicas == 0:
-        return plan(current, f"hold: all {current} replicas starting")
 
     growth = history.arrivals.growth(config.forecast_horizon_s, config.max_forecast_growth, config.trend_noise)
     pressure = pool_pressure(obs, limits, config, growth)

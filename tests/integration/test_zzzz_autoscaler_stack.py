@@ -169,9 +169,9 @@ def autoscaled(stack, tmp_path_factory):
                         manifest.autoscaling.scale_out_cooldown_s, manifest.autoscaling.scale_in_cooldown_s)
     try:
         # Idle engines export from their first health check, so decisions start without traffic.
-        scaled.wait_for("a decision on the new engines' metrics",
-                        lambda: any(d["at_s"] > deployed_at and not d["held"] for d in scaled.decisions()),
-                        timeout_s=120)
+        scaled.wait_for("a decision on the new engines' metrics, every replica ready", lambda: any(
+            d["at_s"] > deployed_at and not d["held"] and not any("starting" in r for r in d["reasons"].values())
+            for d in scaled.decisions()), timeout_s=180)
         yield scaled
     finally:
         prometheus.stop()

@@ -343,6 +343,20 @@ def test_scale_from_zero_at_the_first_request_and_wake_the_partner():
     assert result["decode"].target == 1 and "woken with prefill" in result["decode"].reason
 
 
+def test_no_scale_to_zero_while_replicas_start_and_idle_time_counts_from_the_first_ready():
+    limits = (replace(PREFILL, min_replicas=0), DECODE)
+    policy = controller(limits, scale_to_zero_idle_s=30.0, scale_in_calm_s=10_000.0)
+    busy_decode = decode(replicas=1, running=1.0, kv=0.01)
+    starting = _idle(prefill(replicas=1, starting_replicas=1), 1)
+    for now_s in (0.0, 20.0, 40.0):  # idle-looking for 40 s, but still starting
+        result = by_pool(policy.decide([starting, busy_decode], now_s))
+        assert result["prefill"].target == 1 and "starting" in result["prefill"].reason
+    ready = _idle(prefill(replicas=1), 1)
+    assert by_pool(policy.decide([ready, busy_decode], 60.0))["prefill"].target == 1
+    assert by_pool(policy.decide([ready, busy_decode], 80.0))["prefill"].target == 1  # idle 20 s < 30 s
+    assert by_pool(policy.decide([ready, busy_decode], 95.0))["prefill"].target == 0  # idle 35 s
+
+
 def test_a_pool_without_ready_replicas_has_no_metrics_to_be_stale():
     # At zero (or all starting) no engine exports: its newest sample is old or missing. That
     # must not hold the controller, or a pool at zero could never wake up.
