@@ -64,6 +64,9 @@ class CoordinatedController:
             reason = "; ".join([plan.reason, *fitted.notes.get(plan.pool, [])])
             decisions.append(Decision(plan.pool, plan.current, target, reason))
             self._history[plan.pool].record(plan.current, target, now_s)
+            # A hold before the next observation keeps this target: holding at the size observed
+            # before it would undo the decision (and restart a replica just removed).
+            self._last_known[plan.pool] = target
         return ScalingDecisions(tuple(decisions), now_s)
 
     def decide_unreachable(self, now_s: float, reason: str) -> ScalingDecisions:

@@ -289,10 +289,20 @@ def test_hold_on_stale_metrics():
 @pytest.mark.parametrize("observations", [None, []])
 def test_hold_when_metrics_are_unreachable(observations):
     policy = controller()
-    policy.decide([prefill(replicas=6), decode(replicas=3)], 0.0)
+    before = policy.decide([prefill(replicas=6), decode(replicas=3)], 0.0)
     result = policy.decide(observations, 15.0)
     assert result.held and "unreachable" in result.hold_reason
-    assert result.targets() == {"prefill": 6, "decode": 3}  # the last known sizes
+    assert result.targets() == before.targets()  # the last targets decided
+
+
+def test_a_hold_right_after_a_change_keeps_the_change():
+    # Serve reports the old size until it applies a decision; a hold in between must not
+    # send it back (that would restart the replica the scale-out asked for, or just removed).
+    policy = controller()
+    grown = policy.decide([prefill(replicas=4, ttft=3.0, queue=12.0), decode()], 0.0)
+    assert grown.targets()["prefill"] > 4
+    held = policy.decide(None, 2.0)
+    assert held.held and held.targets() == grown.targets()
     explicit = policy.decide_unreachable(30.0, "prometheus: connection refused")
     assert explicit.held and explicit.hold_reason == "prometheus: connection refused"
 
