@@ -35,7 +35,7 @@ from benchmarks.sim_fidelity import (METRICS, DecodeProbe, LatencySummary, Prefi
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 MANIFEST = REPO / "manifests" / "local.yaml"
-PROBE_PROMPT_WORDS = (64, 320, 768)  # words; ~1-2 tokens each, so the longest stays under max_model_len
+PROBE_PROMPT_WORDS = (32, 160, 400)  # words; the tiny tokenizer spends ~4 tokens per word (max_model_len 2048)
 DECODE_BATCH, DECODE_TOKENS = 8, 64
 
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0],
                         help="comma-separated Poisson arrival rates (req/s)")
     parser.add_argument("--num-requests", type=int, default=40)
-    parser.add_argument("--prompt-words", type=int, default=256, help="mean prompt length (+-50%%)")
+    parser.add_argument("--prompt-words", type=int, default=64, help="mean prompt length (+-50%%)")
     parser.add_argument("--output-tokens", type=int, default=32, help="mean output length (+-50%%)")
     parser.add_argument("--probe-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "sim_fidelity.json")
