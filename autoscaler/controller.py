@@ -18,12 +18,10 @@ from typing import Sequence
 from autoscaler.arrival_trend import ArrivalTrend
 from autoscaler.coordination import coordinate
 from autoscaler.errors import AutoscalerConfigError
-from autoscaler.observations import (ControllerConfig, Decision, PoolLimits, PoolObservation, ScalingDecisions,
-                                     hold_all)
+from autoscaler.observations import (NO_SAMPLES_AGE_S, ControllerConfig, Decision, PoolLimits, PoolObservation,
+                                     ScalingDecisions, hold_all)
 from autoscaler.pool_history import PoolHistory
 from autoscaler.pool_plan import plan_pool
-
-NO_SAMPLES_AGE_S = 1e8  # sources report a pool without any sample as this old (or older)
 
 
 class CoordinatedController:

@@ -14,6 +14,7 @@ from typing import Literal, Protocol, Sequence
 from autoscaler.errors import AutoscalerConfigError
 
 Role = Literal["prefill", "decode", "colocated"]
+NO_SAMPLES_AGE_S = 1e9  # metrics_age_s of a pool without any sample: as stale as it gets
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
 
 

@@ -21,12 +21,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from autoscaler.observations import PoolObservation
+from autoscaler.observations import NO_SAMPLES_AGE_S, PoolObservation
 from monitoring import queries as q
 
 logger = logging.getLogger(__name__)
-
-STALE_AGE_S = 1e9  # no sample at all: as stale as it gets
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class PrometheusSource:
                     kv_cache_usage=self._scalar(q.pool_kv_usage(ref.pool)) if ref.role != "prefill" else None,
                     kv_transfer_s=kv if ref.role == "decode" else None,
                     arrival_rps=arrivals,
-                    metrics_age_s=STALE_AGE_S if age is None else max(age, 0.0),
+                    metrics_age_s=NO_SAMPLES_AGE_S if age is None else max(age, 0.0),
                     starting_replicas=min((starting or {}).get(ref.pool, 0), replicas.get(ref.pool, 0)),
                 ))
             return out

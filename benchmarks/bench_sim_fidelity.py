@@ -65,14 +65,13 @@ def probe(url: str, model: str, repeats: int) -> tuple[list[PrefillProbe], list[
     for words in PROBE_PROMPT_WORDS:
         for seed in range(repeats):
             (record,) = _send(url, model, _trace(1, 0.0, words, 2, seed=seed))
-            prefill.append(PrefillProbe(record.prompt_tokens, record.first_token_s - record.start_s))
+            prefill.append(PrefillProbe(record.prompt_tokens, record.ttft_ms / 1e3))
         _log(f"probe prefill: {record.prompt_tokens} tokens, TTFT "
              f"{statistics.median(p.ttft_s for p in prefill[-repeats:]) * 1e3:.0f} ms")
     for batch in (1, DECODE_BATCH):
         for seed in range(repeats):
             records = _send(url, model, _trace(batch, 0.0, 16, DECODE_TOKENS, seed=seed))
-            itls = [(r.token_times_s[-1] - r.token_times_s[0]) / (r.output_tokens - 1) for r in records]
-            decode.append(DecodeProbe(batch, statistics.median(itls)))
+            decode.append(DecodeProbe(batch, statistics.median(r.mean_itl_ms / 1e3 for r in records)))
         _log(f"probe decode: batch {batch}, ITL {statistics.median(p.itl_s for p in decode[-repeats:]) * 1e3:.1f} ms")
     return prefill, decode
 

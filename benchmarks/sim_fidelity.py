@@ -97,9 +97,8 @@ def latency_summary(records: Sequence, ttft_slo_s: float, itl_slo_s: float) -> L
     ok = [r for r in records if r.ok]
     if not ok:
         raise ValueError("no successful request to summarize")
-    ttft = np.array([r.first_token_s - r.start_s for r in ok])
-    itl = np.array([(r.token_times_s[-1] - r.token_times_s[0]) / (r.output_tokens - 1)
-                    if r.output_tokens > 1 else 0.0 for r in ok])
+    ttft = np.array([r.ttft_ms / 1e3 for r in ok])
+    itl = np.array([(r.mean_itl_ms or 0.0) / 1e3 for r in ok])  # None: one token, no ITL
     span_s = max(r.end_s for r in ok) - min(r.scheduled_s for r in records)
     met = int(np.sum((ttft <= ttft_slo_s) & (itl <= itl_slo_s)))
     return LatencySummary(float(np.percentile(ttft, 50)), float(np.percentile(ttft, 90)),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from autoscaler.prometheus_source import STALE_AGE_S, PoolRef, PrometheusSource
+from autoscaler.observations import NO_SAMPLES_AGE_S
+from autoscaler.prometheus_source import PoolRef, PrometheusSource
 from monitoring import queries as q
 from monitoring.prometheus_api import PrometheusError, Sample
 
@@ -39,7 +40,7 @@ def test_each_pool_gets_its_own_signals():
 
 def test_a_pool_without_samples_is_stale_and_an_unreachable_prometheus_gives_none():
     observations = PrometheusSource(FakeAPI({}), POOLS).observe({"prefill": 1, "decode": 1})
-    assert all(o.metrics_age_s == STALE_AGE_S for o in observations)
+    assert all(o.metrics_age_s == NO_SAMPLES_AGE_S for o in observations)
     assert PrometheusSource(FakeAPI({}, fail=True), POOLS).observe({"prefill": 1}) is None
 
 
