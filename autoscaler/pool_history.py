@@ -11,8 +11,10 @@ Confirmation rule: a signal barely over its threshold (out <= 1 + hysteresis) sc
 if the previous decision saw the pool over as well; one noisy sample does not add replicas.
 
 Stabilisation rule (as Kubernetes' HPA scale-down window): a scale-in also needs the pool calm
-for scale_in_calm_s on end, and goes only down to the most replicas any decision of that calm
-stretch wanted, so one quiet sample or a load still ramping up does not remove capacity.
+for scale_in_calm_s on end, and goes only down to the most replicas any calm decision of the
+last scale_in_calm_s wanted, so one quiet sample or a load still ramping up does not remove
+capacity. The window slides: a wish from the tail of a load step ages out of it, whereas a peak
+kept for the whole calm stretch would pin the pool at its size for as long as it stays calm.
 
 Waking from zero and going to zero after scale_to_zero_idle_s are exempt from cooldowns: both
 are driven by the arrival or absence of work, not by a noisy measure of how much.
@@ -20,6 +22,7 @@ are driven by the arrival or absence of work, not by a noisy measure of how much
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from autoscaler.arrival_trend import ArrivalTrend
@@ -32,7 +35,7 @@ class PoolHistory:
     last_direction: int = 0  # +1 scaled out, -1 scaled in, 0 never changed
     idle_since_s: float | None = None
     calm_since_s: float | None = None  # start of the current calm stretch
-    calm_peak_replicas: int = 0  # the most replicas any decision of that stretch asked for
+    calm_wishes: deque[tuple[float, int]] = field(default_factory=deque)  # (at_s, replicas wanted), calm only
     arrivals: ArrivalTrend = field(default_factory=lambda: ArrivalTrend(300.0))
     previous_queue: QueueSample | None = None  # the last decision's queue, for its growth rate
     was_over: bool = False  # the previous decision saw a signal over its threshold
@@ -52,15 +55,19 @@ class PoolHistory:
             self.idle_since_s = now_s
         return now_s - self.idle_since_s
 
-    def observe_calm(self, wanted_replicas: int, now_s: float) -> tuple[float, int]:
-        """A calm decision wanting this many replicas: (calm for how long, peak wish of the stretch)."""
+    def observe_calm(self, wanted_replicas: int, now_s: float, window_s: float) -> tuple[float, int]:
+        """A calm decision wanting this many replicas: (calm for how long, the most replicas any
+        calm decision of the last `window_s` wanted, this one included)."""
         if self.calm_since_s is None:
-            self.calm_since_s, self.calm_peak_replicas = now_s, wanted_replicas
-        self.calm_peak_replicas = max(self.calm_peak_replicas, wanted_replicas)
-        return now_s - self.calm_since_s, self.calm_peak_replicas
+            self.calm_since_s = now_s
+        self.calm_wishes.append((now_s, wanted_replicas))
+        while self.calm_wishes[0][0] < now_s - window_s:
+            self.calm_wishes.popleft()
+        return now_s - self.calm_since_s, max(wanted for _at_s, wanted in self.calm_wishes)
 
     def end_calm(self) -> None:
-        self.calm_since_s, self.calm_peak_replicas = None, 0
+        self.calm_since_s = None
+        self.calm_wishes.clear()
 
     def forget_measurements(self) -> None:
         """After a hold: stretches of calm or idleness must be measured again, not assumed."""

@@ -13,8 +13,8 @@ Rule, in order (first match wins):
    Sizes count *ready* replicas, so replicas still starting count as already ordered and a
    slow start does not order more;
 5. calm (every signal < 1 - h), arrivals not rising (no trend growth beyond noise),
-   for scale_in_calm_s on end: scale in to the largest
-   scale_in_size of that calm stretch (one replica at a time when the pool reports no
+   for scale_in_calm_s on end: scale in to the largest scale_in_size wished in the last
+   scale_in_calm_s (a sliding window; one replica at a time when the pool reports no
    utilisation), if that sheds at least h/2 of the replicas (smaller trims are noise);
 6. otherwise hold (inside the band).
 The wish is clamped to [lo, hi]: min/max replicas, max_step per decision, cooldowns.
@@ -102,7 +102,7 @@ def plan_pool(obs: PoolObservation, limits: PoolLimits, history: PoolHistory, co
         history.end_calm()
         return plan(current, f"hold: calm but {pressure.summary()}", pressure.out, need)
     size = current - 1 if enough is None else enough
-    calm_for_s, peak = history.observe_calm(max(size, 1), now_s)
+    calm_for_s, peak = history.observe_calm(max(size, 1), now_s, config.scale_in_calm_s)
     if peak >= current:
         return plan(current, f"hold: calm, {pressure.summary()}, but {current} replicas needed", pressure.out, need)
     if current - peak < current * config.hysteresis / 2.0:

@@ -243,15 +243,17 @@ def test_stopping_prometheus_makes_the_autoscaler_hold_and_say_so(autoscaled):
 
     autoscaled.prometheus.stop()
     stopped_at = time.time()
-    held = autoscaled.wait_for("a held decision after Prometheus stopped", lambda: next(
-        (d for d in autoscaled.decisions() if d["at_s"] > stopped_at and d["held"]), None), timeout_s=30)
-    assert all("metrics source unreachable" in reason for reason in held["reasons"].values()), held
-    assert held["targets"] == {"prefill": 1, "decode": 1}  # holds where it is
-    # The Serve controller's own metrics endpoint says so (Prometheus itself is down).
-    autoscaled.wait_for("the holding metric", lambda: _head_metric(
-        "ray_moe_serve_autoscaler_holding", reason="unreachable") == 1.0, timeout_s=60)
-
-    autoscaled.prometheus.start(progress=_log)
+    try:
+        held = autoscaled.wait_for("a held decision after Prometheus stopped", lambda: next(
+            (d for d in autoscaled.decisions() if d["at_s"] > stopped_at and d["held"]), None), timeout_s=30)
+        assert all("metrics source unreachable" in reason for reason in held["reasons"].values()), held
+        before = [d for d in autoscaled.decisions() if d["at_s"] < held["at_s"]]
+        assert before and held["targets"] == before[-1]["targets"]  # holds where it is
+        # The Serve controller's own metrics endpoint says so (Prometheus itself is down).
+        autoscaled.wait_for("the holding metric", lambda: _head_metric(
+            "ray_moe_serve_autoscaler_holding", reason="unreachable") == 1.0, timeout_s=60)
+    finally:  # the next tests need it back, whatever happened here
+        autoscaled.prometheus.start(progress=_log)
     restarted_at = time.time()
     autoscaled.wait_for("decisions to resume", lambda: next(
         (d for d in autoscaled.decisions() if d["at_s"] > restarted_at and not d["held"]), None), timeout_s=60)

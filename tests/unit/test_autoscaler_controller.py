@@ -278,6 +278,21 @@ def test_scale_in_waits_for_a_calm_stretch_and_takes_its_peak():
     assert "calm for 120s" in result.reason
 
 
+def test_a_busy_wish_ages_out_of_the_calm_window():
+    # The tail of a load step is calm but still wants 2 replicas; then the pool goes quiet and
+    # stays calm. The wish must leave the 120 s window: a peak kept for the whole calm stretch
+    # pinned the pool at 2 for as long as it stayed calm (seen on the real stack in CI).
+    policy = controller(scale_in_calm_s=120.0)
+    tail = [prefill(replicas=2, ttft=0.3, queue=0.0, running=1.4), decode()]  # 0.7 of 1 each: calm
+    quiet = [prefill(replicas=2, ttft=0.3, queue=0.0, running=0.0), decode()]
+    assert policy.decide(tail, 0.0).targets()["prefill"] == 2
+    assert policy.decide(quiet, 60.0).targets()["prefill"] == 2
+    held = by_pool(policy.decide(quiet, 120.0))["prefill"]
+    assert held.target == 2 and "2 replicas needed" in held.reason  # the tail is 120 s old: still in
+    result = by_pool(policy.decide(quiet, 135.0))["prefill"]
+    assert result.target == 1 and "scale in: calm for 135s" in result.reason
+
+
 # --- holds ---
 
 def test_hold_on_stale_metrics():
