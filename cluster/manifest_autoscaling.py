@@ -47,7 +47,8 @@ class AutoscalingSpec(_Strict):
     scale_in_cooldown_s: Annotated[float, Field(ge=0)] = 300.0
     """After any change of a pool, wait this long before removing from it (>= scale-out's)."""
     scale_in_calm_s: Annotated[float, Field(ge=0)] = 120.0
-    """A pool must be calm (every signal under its threshold by the hysteresis) this long."""
+    """A pool must be calm (every signal under its threshold by the hysteresis) this long before a
+    scale-in, which goes down to the most replicas any decision of the last scale_in_calm_s wanted."""
     stale_after_s: Annotated[float, Field(gt=0)] = 60.0
     """Metrics older than this make the controller hold every pool where it is."""
     hysteresis: Annotated[float, Field(ge=0, lt=1)] = 0.2
