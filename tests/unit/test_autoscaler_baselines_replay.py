@@ -6,14 +6,14 @@ from dataclasses import replace
 from autoscaler.baselines import FixedSplit, QueueLengthPerPool
 from autoscaler.controller import CoordinatedController
 from autoscaler.replay import load_case, replay
-from tests.unit.test_autoscaler_controller import DATA, DECODE, PREFILL, _idle, _load, controller, decode, prefill
+from tests.unit.autoscaler_cases import DATA, DECODE, PREFILL, controller, decode, idle, load_at, prefill
 
 
 # --- baselines ---
 
 def test_fixed_split_never_changes():
     policy = FixedSplit()
-    for t, obs in enumerate([_load(0.1), _load(5.0), _load(1.0)]):
+    for t, obs in enumerate([load_at(0.1), load_at(5.0), load_at(1.0)]):
         result = policy.decide(obs, 15.0 * t)
         assert result.changed() == () and all(d.reason for d in result.decisions)
     assert policy.decide(None, 60.0).held
@@ -30,7 +30,7 @@ def test_queue_length_baseline_follows_ray_serve_rule_with_delays():
     assert policy.decide(quiet, 45.0).targets()["prefill"] == 10
     assert policy.decide(quiet, 645.0).targets()["prefill"] == 1
     cold = QueueLengthPerPool([replace(PREFILL, min_replicas=0), DECODE], {"prefill": 1.0, "decode": 32.0})
-    woken = cold.decide([replace(_idle(prefill(), 0), queue_depth=2.0), decode()], 0.0)
+    woken = cold.decide([replace(idle(prefill(), 0), queue_depth=2.0), decode()], 0.0)
     assert woken.targets()["prefill"] == 2
 
 
@@ -39,7 +39,7 @@ def test_queue_length_baseline_follows_ray_serve_rule_with_delays():
 def test_every_decision_carries_a_reason():
     policy = controller(ratio_bounds=(0.25, 4.0), budget_units=20.0)
     for level in [0.2, 0.5, 1.0, 2.0, 5.0, 1.0, 0.1]:
-        for d in policy.decide(_load(level), 15.0).decisions:
+        for d in policy.decide(load_at(level), 15.0).decisions:
             assert d.reason.strip()
 
 

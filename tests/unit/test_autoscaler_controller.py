@@ -1,57 +1,14 @@
-"""The coordinated SLO-driven controller (pure): signals, bounds, budget, cooldowns, holds,
-expert-parallel groups, ratio bounds, scale to and from zero (baselines and replay:
-test_autoscaler_baselines_replay.py)."""
+"""The coordinated SLO-driven controller (pure): signals and monotonicity, bounds, budget,
+expert-parallel groups, ratio bounds, cooldowns and hysteresis (holds, zero and colocated pools:
+test_autoscaler_holds_and_zero.py; baselines and replay: test_autoscaler_baselines_replay.py)."""
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-from autoscaler.controller import CoordinatedController
-from autoscaler.errors import AutoscalerConfigError
-from autoscaler.observations import ControllerConfig, PoolLimits, PoolObservation
-
-DATA = Path(__file__).resolve().parent / "data"
-
-
-def config(**overrides) -> ControllerConfig:
-    base = dict(ttft_slo_s=2.0, itl_slo_s=0.1, budget_units=100.0, scale_out_cooldown_s=60.0,
-                scale_in_cooldown_s=300.0, scale_in_calm_s=0.0, stale_after_s=60.0, hysteresis=0.2, max_step=4,
-                scale_to_zero_idle_s=600.0)
-    base.update(overrides)
-    return ControllerConfig(**base)
-
-
-PREFILL = PoolLimits("prefill", min_replicas=1, max_replicas=20, units_per_replica=1.0, running_capacity_per_replica=1)
-DECODE = PoolLimits("decode", min_replicas=1, max_replicas=20, units_per_replica=2.0, running_capacity_per_replica=64)
-
-
-def prefill(replicas=4, ttft=1.0, queue=0.5, running=3.0, **extra) -> PoolObservation:
-    """Defaults sit inside the band: busy 3/4 of 1 (83% of the 0.9 threshold), TTFT half the SLO."""
-    return PoolObservation("prefill", "prefill", replicas, ttft_p90_s=ttft, queue_depth=queue, running=running,
-                           arrival_rps=extra.pop("arrival_rps", 5.0), **extra)
-
-
-def decode(replicas=4, itl=0.085, running=200.0, kv=0.5, **extra) -> PoolObservation:
-    """Defaults sit inside the band: ITL 85% of the SLO, 50 of 64 sequences per replica."""
-    return PoolObservation("decode", "decode", replicas, ranks_per_replica=extra.pop("ranks_per_replica", 1),
-                           itl_p90_s=itl, running=running, kv_cache_usage=kv,
-                           arrival_rps=extra.pop("arrival_rps", 5.0), **extra)
-
-
-def controller(limits=(PREFILL, DECODE), **overrides) -> CoordinatedController:
-    return CoordinatedController(config(**overrides), list(limits))
-
-
-def by_pool(decisions):
-    return {d.pool: d for d in decisions.decisions}
-
-
-def decide_twice(policy, observations):
-    """Signals barely over a threshold need a second look (15 s later) before a scale-out."""
-    first = policy.decide(observations, 0.0)
-    return first if first.changed() else policy.decide(observations, 15.0)
+from autoscaler.observations import PoolLimits
+from tests.unit.autoscaler_cases import DECODE, PREFILL, by_pool, controller, decide_twice, decode, load_at, prefill
 
 
 # --- signals and monotonicity ---
@@ -94,17 +51,10 @@ def test_each_decode_signal_over_its_threshold_scales_decode_out(signal):
     assert result["decode"].target > 4, result["decode"].reason
 
 
-def _load(level: float) -> list[PoolObservation]:
-    """Everything a pool reports grows with the offered load `level` (1.0 = inside the band)."""
-    return [prefill(ttft=1.2 * level, queue=0.6 * level ** 2, running=min(3.2 * level, 4.0), arrival_rps=5 * level),
-            decode(itl=0.07 * level, running=min(190.0 * level, 256.0), kv=min(0.5 * level, 1.0),
-                   queue_depth=max(0.0, 190.0 * level - 256.0), arrival_rps=5 * level)]
-
-
 @pytest.mark.parametrize("pool", ["prefill", "decode"])
 def test_more_load_never_yields_fewer_replicas(pool):
     levels = [0.1 * step for step in range(1, 40)]
-    targets = [controller().decide(_load(level), 0.0).targets()[pool] for level in levels]
+    targets = [controller().decide(load_at(level), 0.0).targets()[pool] for level in levels]
     assert targets == sorted(targets)
     assert targets[0] < 4 < targets[-1]  # the sweep covers scale-in, hold and scale-out
 
@@ -291,124 +241,3 @@ def test_a_busy_wish_ages_out_of_the_calm_window():
     assert held.target == 2 and "2 replicas needed" in held.reason  # the tail is 120 s old: still in
     result = by_pool(policy.decide(quiet, 135.0))["prefill"]
     assert result.target == 1 and "scale in: calm for 135s" in result.reason
-
-
-# --- holds ---
-
-def test_hold_on_stale_metrics():
-    result = controller().decide([prefill(ttft=9.0, queue=50.0), decode(metrics_age_s=95.0)], 0.0)
-    assert result.held and "stale" in result.hold_reason and "decode 95s" in result.hold_reason
-    assert all(d.target == d.current and d.reason.startswith("held:") for d in result.decisions)
-
-
-@pytest.mark.parametrize("observations", [None, []])
-def test_hold_when_metrics_are_unreachable(observations):
-    policy = controller()
-    before = policy.decide([prefill(replicas=6), decode(replicas=3)], 0.0)
-    result = policy.decide(observations, 15.0)
-    assert result.held and "unreachable" in result.hold_reason
-    assert result.targets() == before.targets()  # the last targets decided
-
-
-def test_a_hold_right_after_a_change_keeps_the_change():
-    # Serve reports the old size until it applies a decision; a hold in between must not
-    # send it back (that would restart the replica the scale-out asked for, or just removed).
-    policy = controller()
-    grown = policy.decide([prefill(replicas=4, ttft=3.0, queue=12.0), decode()], 0.0)
-    assert grown.targets()["prefill"] > 4
-    held = policy.decide(None, 2.0)
-    assert held.held and held.targets() == grown.targets()
-    explicit = policy.decide_unreachable(30.0, "prometheus: connection refused")
-    assert explicit.held and explicit.hold_reason == "prometheus: connection refused"
-
-
-def test_hold_when_a_pool_has_no_observation():
-    result = controller().decide([prefill(ttft=9.0, queue=50.0)], 0.0)
-    assert result.held and "decode" in result.hold_reason
-    assert all(d.target == d.current for d in result.decisions)
-
-
-def test_unknown_pool_is_a_configuration_error():
-    with pytest.raises(AutoscalerConfigError, match="known pools"):
-        controller().decide([prefill(), decode(), replace(decode(), pool="other")], 0.0)
-
-
-def test_bad_config_says_the_fix():
-    with pytest.raises(AutoscalerConfigError, match="scale_in_cooldown_s >= scale_out_cooldown_s"):
-        config(scale_out_cooldown_s=600.0, scale_in_cooldown_s=60.0)
-    with pytest.raises(AutoscalerConfigError, match="min_replicas"):
-        PoolLimits("p", min_replicas=5, max_replicas=2)
-
-
-# --- zero ---
-
-def _idle(pool_obs, replicas):
-    return replace(pool_obs, replicas=replicas, ttft_p90_s=None, itl_p90_s=None, queue_depth=0.0, running=0.0,
-                   arrival_rps=0.0, kv_cache_usage=0.0)
-
-
-def test_scale_to_zero_only_after_the_idle_time_and_only_if_allowed():
-    limits = (replace(PREFILL, min_replicas=0), replace(DECODE, min_replicas=0))
-    policy = controller(limits, scale_to_zero_idle_s=300.0, scale_in_calm_s=10_000.0)
-    targets = [policy.decide([_idle(prefill(), 2), _idle(decode(), 2)], t).targets() for t in range(0, 301, 15)]
-    assert all(t == {"prefill": 2, "decode": 2} for t in targets[:-1])
-    assert targets[-1] == {"prefill": 0, "decode": 0}
-    never = controller(scale_to_zero_idle_s=300.0, scale_in_calm_s=10_000.0)  # min_replicas 1
-    for t in range(0, 3601, 15):
-        assert min(never.decide([_idle(prefill(), 1), _idle(decode(), 1)], t).targets().values()) == 1
-
-
-def test_scale_from_zero_at_the_first_request_and_wake_the_partner():
-    limits = (replace(PREFILL, min_replicas=0), replace(DECODE, min_replicas=0))
-    policy = controller(limits)
-    assert policy.decide([_idle(prefill(), 0), _idle(decode(), 0)], 0.0).targets() == {"prefill": 0, "decode": 0}
-    waking = replace(_idle(prefill(), 0), queue_depth=1.0, arrival_rps=0.1)
-    result = by_pool(policy.decide([waking, _idle(decode(), 0)], 15.0))
-    assert result["prefill"].target == 1 and "waking from zero" in result["prefill"].reason
-    assert result["decode"].target == 1 and "woken with prefill" in result["decode"].reason
-
-
-def test_no_scale_to_zero_while_replicas_start_and_idle_time_counts_from_the_first_ready():
-    limits = (replace(PREFILL, min_replicas=0), DECODE)
-    policy = controller(limits, scale_to_zero_idle_s=30.0, scale_in_calm_s=10_000.0)
-    busy_decode = decode(replicas=1, running=1.0, kv=0.01)
-    starting = _idle(prefill(replicas=1, starting_replicas=1), 1)
-    for now_s in (0.0, 20.0, 40.0):  # idle-looking for 40 s, but still starting
-        result = by_pool(policy.decide([starting, busy_decode], now_s))
-        assert result["prefill"].target == 1 and "starting" in result["prefill"].reason
-    ready = _idle(prefill(replicas=1), 1)
-    assert by_pool(policy.decide([ready, busy_decode], 60.0))["prefill"].target == 1
-    assert by_pool(policy.decide([ready, busy_decode], 80.0))["prefill"].target == 1  # idle 20 s < 30 s
-    assert by_pool(policy.decide([ready, busy_decode], 95.0))["prefill"].target == 0  # idle 35 s
-
-
-def test_a_pool_without_ready_replicas_has_no_metrics_to_be_stale():
-    # At zero (or all starting) no engine exports: its newest sample is old or missing. That
-    # must not hold the controller, or a pool at zero could never wake up.
-    limits = (replace(PREFILL, min_replicas=0), DECODE)
-    policy = controller(limits)
-    asleep = replace(_idle(prefill(), 0), metrics_age_s=1e9, queue_depth=2.0, arrival_rps=0.5)
-    result = by_pool(policy.decide([asleep, decode(replicas=1, running=1.0, kv=0.01)], 0.0))
-    assert not policy.decide([asleep, decode(replicas=1, running=1.0, kv=0.01)], 15.0).held
-    assert result["prefill"].target == 1 and "waking from zero" in result["prefill"].reason
-    starting = prefill(replicas=1, starting_replicas=1, metrics_age_s=1e9)
-    held = by_pool(policy.decide([starting, decode(replicas=1, running=1.0, kv=0.01)], 30.0))
-    assert held["prefill"].target == 1 and "starting" in held["prefill"].reason
-    # Once a replica is ready its metrics count again.
-    stale = policy.decide([prefill(replicas=1, metrics_age_s=1e9), decode(replicas=1, running=1.0, kv=0.01)], 45.0)
-    assert stale.held and "prefill no samples" in stale.hold_reason
-
-
-# --- colocated ---
-
-def test_colocated_pool_reacts_to_ttft_and_itl():
-    pool = PoolLimits("engine", 1, 10, 8.0, 256)
-    policy = CoordinatedController(config(), [pool])
-
-    def engine(**kw):
-        base = dict(ttft_p90_s=1.0, itl_p90_s=0.08, running=700.0, kv_cache_usage=0.5, queue_depth=1.0)
-        base.update(kw)
-        return PoolObservation("engine", "colocated", 4, **base)
-    assert policy.decide([engine()], 0.0).targets()["engine"] == 4
-    assert CoordinatedController(config(), [pool]).decide([engine(itl_p90_s=0.15)], 0.0).targets()["engine"] > 4
-    assert CoordinatedController(config(), [pool]).decide([engine(ttft_p90_s=3.0)], 0.0).targets()["engine"] > 4
