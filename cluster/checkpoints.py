@@ -59,15 +59,20 @@ class TinyCheckpointSpec:
     """Everything that determines a tiny checkpoint's bytes (hashed into its fingerprint)."""
 
     name: str
-    model_type: str  # a transformers model type that vLLM 0.32 CPU loads: qwen3_moe, mixtral
+    model_type: str  # a transformers model type that vLLM 0.32 CPU loads
     config: dict = field(default_factory=dict)
     vocab_size: int = 1024
     seed: int = 0
+    # Std of the random routing correction bias (noaux_tc routers). transformers initialises
+    # it to zeros, under which a router that ignored the bias would still pick the same
+    # experts; a bias as large as the spread of the sigmoid scores changes the choice.
+    router_bias_std: float = 0.0
 
     def fingerprint(self) -> str:
         payload = json.dumps(
             {"model_type": self.model_type, "config": self.config, "vocab": self.vocab_size,
-             "seed": self.seed, "template": CHAT_TEMPLATE, "corpus": _CORPUS, "format": 1},
+             "seed": self.seed, "template": CHAT_TEMPLATE, "corpus": _CORPUS, "format": 1,
+             "router_bias_std": self.router_bias_std},
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -100,6 +105,62 @@ SPECS: dict[str, TinyCheckpointSpec] = {
                 norm_topk_prob=True,
                 mlp_only_layers=[],
             ),
+        ),
+        TinyCheckpointSpec(
+            # DeepSeek-V3's layout at toy width: MLA (one 576-value latent per token and layer,
+            # the head size vLLM's CPU MLA backend requires), a low-rank query, a dense first
+            # layer, one shared expert, and the grouped sigmoid router with its correction bias
+            # (8 experts in 4 groups: each token picks 2 groups, then 2 experts in them).
+            name="tiny-deepseek-v3",
+            model_type="deepseek_v3",
+            config=dict(
+                _COMMON,
+                num_key_value_heads=4,  # MLA has no KV heads; kept equal to the query heads
+                intermediate_size=256,
+                moe_intermediate_size=64,
+                q_lora_rank=64,
+                kv_lora_rank=512,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                n_group=4,
+                topk_group=2,
+                topk_method="noaux_tc",  # vLLM creates e_score_correction_bias only for noaux_tc
+                scoring_func="sigmoid",
+                norm_topk_prob=True,
+                routed_scaling_factor=2.5,
+                first_k_dense_replace=1,
+                moe_layer_freq=1,
+                rope_scaling=None,
+            ),
+            router_bias_std=0.05,
+        ),
+        TinyCheckpointSpec(
+            # GLM-4.5's layout (Glm4MoeForCausalLM): GQA with half-rotary heads, QK norm and
+            # attention bias, a dense first layer, a shared expert, the grouped sigmoid router.
+            name="tiny-glm4-moe",
+            model_type="glm4_moe",
+            config=dict(
+                _COMMON,
+                head_dim=32,
+                partial_rotary_factor=0.5,
+                attention_bias=True,
+                use_qk_norm=True,
+                intermediate_size=256,
+                moe_intermediate_size=64,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                n_group=4,
+                topk_group=2,
+                norm_topk_prob=True,
+                routed_scaling_factor=2.5,
+                first_k_dense_replace=1,
+            ),
+            router_bias_std=0.05,
         ),
         TinyCheckpointSpec(
             name="tiny-mixtral",
@@ -185,6 +246,12 @@ def _build(spec: TinyCheckpointSpec, target: Path) -> None:
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if spec.router_bias_std:
+        generator = torch.Generator().manual_seed(spec.seed + 1)
+        with torch.no_grad():
+            for name, bias in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    bias.copy_(torch.randn(bias.shape, generator=generator) * spec.router_bias_std)
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / _FINGERPRINT_FILE).write_text(
         json.dumps({"name": spec.name, "fingerprint": spec.fingerprint()}, indent=2)
