@@ -135,6 +135,9 @@ SPECS: dict[str, TinyCheckpointSpec] = {
                 first_k_dense_replace=1,
                 moe_layer_freq=1,
                 rope_scaling=None,
+                # At the default 0.02 this layout's logits are nearly flat and greedy output
+                # repeats one token; 0.1 gives varied output, so a wrong KV page shows.
+                initializer_range=0.1,
             ),
             router_bias_std=0.05,
         ),

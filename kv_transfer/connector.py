@@ -77,7 +77,8 @@ class MoeServeConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         from kv_transfer.kv_pages import KVPages
 
-        self._worker.register(KVPages(kv_caches))
+        # The block count tells the page map which dimension holds blocks (backends differ).
+        self._worker.register(KVPages(kv_caches, num_blocks=self._kv_cache_config.num_blocks))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

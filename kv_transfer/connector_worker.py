@@ -91,8 +91,9 @@ class WorkerSide:
                                             on_release=self._on_release, on_stats=self.stats,
                                             leases=_ReadGuard(self))
         self._server.start()
-        logger.info("kv transfer: serving %d layers x %d blocks (%d B pages) on %s:%s via %s",
-                    pages.num_layers, pages.num_blocks, pages.page_bytes, self._settings.host,
+        logger.info("kv transfer: serving %d layers x %d blocks (%d B pages; %s) on %s:%s via %s",
+                    pages.num_layers, pages.num_blocks, pages.page_bytes,
+                    pages.describe() if hasattr(pages, "describe") else "", self._settings.host,
                     self._settings.port, self._settings.backend)
 
     # -- per step ---------------------------------------------------------------------------------
