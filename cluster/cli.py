@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.errors import ClusterError, ManifestError
+from cluster.errors import ClusterError, ManifestError, ManifestIssue
 from cluster.manifest import Manifest, load_manifest
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "manifests" / "local.yaml"
@@ -31,14 +31,30 @@ def _load(path: str | None) -> Manifest:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from cluster.checkpoints import resolve_model_path
-    from cluster.model_facts import read_model_facts
     from cluster.plan import make_plan, render_plan
 
     manifest = _load(args.manifest)
-    facts = read_model_facts(resolve_model_path(manifest.model.path, build=False), manifest.model.dtype)
-    print(render_plan(make_plan(manifest, facts)))
-    return 0
+    plan = make_plan(manifest, _facts(manifest))
+    print(render_plan(plan))
+    return 2 if plan.errors else 0
+
+
+def _facts(manifest: Manifest):
+    from cluster.checkpoints import resolve_model_path
+    from cluster.model_facts import read_model_facts
+
+    model = manifest.model
+    return read_model_facts(resolve_model_path(model.path, build=False), model.dtype, model_name=model.name,
+                            quantization=model.quantization)
+
+
+def _check_fit(manifest: Manifest) -> None:
+    """Refuse, before anything starts, a manifest whose weights cannot fit its ranks."""
+    from cluster.plan import make_plan
+
+    errors = make_plan(manifest, _facts(manifest)).errors
+    if errors:
+        raise ManifestError(manifest.name, [ManifestIssue("pools", "", error, "see `moe-serve plan`") for error in errors])
 
 
 def _print_ready(result, manifest: Manifest) -> None:
@@ -57,6 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     manifest = _load(args.manifest)
     if manifest.local_cluster is None:
         raise ClusterError("this manifest declares no local_cluster; use `moe-serve deploy` on a running cluster")
+    _check_fit(manifest)
     resolve_model_path(manifest.model.path)  # build the tiny checkpoint before starting anything
     cluster = LocalCluster(manifest.local_cluster, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port))
     stop = threading.Event()
@@ -110,6 +127,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from cluster.serve_control import connect, deploy
 
     manifest = _load(args.manifest)
+    _check_fit(manifest)
     connect(args.address)
     result = deploy(manifest, progress=_progress)
     _print_ready(result, manifest)

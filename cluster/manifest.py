@@ -39,11 +39,15 @@ class ModelSpec(_Strict):
     """Model id served on /v1/models and expected in requests' "model" field."""
     path: Annotated[str, Field(min_length=1)]
     """Checkpoint directory (readable at the same path on every node), or builtin://NAME for a
-    tiny checkpoint built locally (tiny-qwen3-moe, tiny-mixtral)."""
+    tiny checkpoint built locally (tiny-qwen3-moe, tiny-mixtral, tiny-deepseek-v3, tiny-glm4-moe)."""
     max_model_len: Annotated[int, Field(ge=16, le=1_048_576)] = 2048
     """Context length in tokens (prompt + output); longer requests are rejected with HTTP 400."""
     dtype: Annotated[str, Field(pattern=r"^(auto|bfloat16|float16|float32)$")] = "bfloat16"
     """Weight and activation dtype: auto, bfloat16, float16 or float32."""
+    quantization: Literal["fp8"] | None = None
+    """Quantize the weights when loading (vLLM's `quantization`), e.g. fp8 for a bf16 checkpoint.
+    Leave unset for checkpoints that are already quantized (DeepSeek-V3's FP8 release): vLLM
+    reads their quantization_config."""
 
     @field_validator("path")
     @classmethod
@@ -96,6 +100,9 @@ class PlacementSpec(_Strict):
     """GPUs reserved per replica (must be >= engine.tensor_parallel_size on GPU manifests)."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources reserved per replica."""
+    accelerator_memory_gib: Annotated[float | None, Field(gt=0, le=4096)] = None
+    """Memory of one accelerator, for `plan`'s weight and KV sizing (GPU manifests). Known from
+    the `accelerator-type` node label for H200, H100 and A100-80G; set it for others."""
 
 
 class ExpertParallelSpec(_Strict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.manifest import Manifest, PoolSpec
+from cluster.plan_memory import GIB, RankMemory, accelerator_memory_gib, rank_memory, smallest_fitting_split
 
 INGRESS_NUM_CPUS = 0.25  # tokenization and validation only; leaves the cores to the engines
 
@@ -22,9 +23,20 @@ class ModelFacts:
 
     weight_bytes: int
     num_layers: int
-    kv_bytes_per_token: int  # K and V, all layers, at the manifest dtype
+    kv_bytes_per_token: int  # all layers, one rank without TP, at the manifest dtype (MLA: the latent)
     num_experts: int | None = None  # routed experts per MoE layer
     expert_weight_bytes: int = 0  # the routed experts' share of weight_bytes (split by EP)
+    attention: str = ""  # e.g. "MLA (576-value latent)", "GQA (8 KV heads x 128)"
+    mla: bool = False
+    kv_heads: int = 0
+    kv_element_bytes: int = 0
+    source: str = ""  # where the facts came from (checkpoint, shipped config)
+
+    def kv_bytes_per_token_on_rank(self, tensor_parallel: int) -> int:
+        """MLA's latent is replicated over TP ranks; GQA's KV heads are split (>= 1 per rank)."""
+        if self.mla or self.kv_heads <= 0 or tensor_parallel <= 1:
+            return self.kv_bytes_per_token
+        return self.kv_bytes_per_token * max(1, self.kv_heads // tensor_parallel) // self.kv_heads
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class PoolPlan:
     kv_cache_bytes_per_replica: int | None  # per rank in expert-parallel pools
     kv_cache_tokens_per_replica: int | None
     expert_parallel: str | None = None  # one line: group size, strategy, EPLB
+    rank_memory: RankMemory | None = None  # per rank (every rank of a pool is alike)
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class Plan:
     model_facts: ModelFacts | None = None
     kv_transfer: str | None = None  # one line describing the transfer path, when disaggregated
     autoscaling: str | None = None  # one line: bounds per pool and how the controller decides
+    errors: list[str] = field(default_factory=list)  # the manifest cannot run as written (e.g. weights do not fit)
 
 
 def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
@@ -72,6 +86,7 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
         reserved[ingress_node] += INGRESS_NUM_CPUS * manifest.http.ingress_replicas
 
     pools = []
+    errors: list[str] = []
     for pool in manifest.pools:
         matching = [n.name for n in nodes if pool.placement.node_labels.items() <= n.labels.items()]
         placements = []
@@ -89,10 +104,12 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
                     pool.name, index, node, pool.placement.num_cpus, pool.placement.num_gpus,
                     rank=rank if pool.expert_parallel else None,
                     experts=_expert_range(facts, rank, ranks) if pool.expert_parallel else None,
-                    weight_bytes=_weights_per_rank(facts, ranks)))
-        kv_bytes, kv_tokens = _kv_capacity(manifest, pool, facts)
+                    weight_bytes=_weights_per_rank(facts, ranks, pool.engine.tensor_parallel_size, pool)))
+        memory = _rank_memory(manifest, pool, facts)
+        errors.extend(_fit_issues(manifest, pool, facts, memory, warnings))
+        kv_bytes, kv_tokens = _kv_capacity(manifest, pool, facts, memory)
         pools.append(PoolPlan(pool.name, pool.role.value, placements, kv_bytes, kv_tokens,
-                              _expert_parallel_line(manifest, pool, facts, warnings)))
+                              _expert_parallel_line(manifest, pool, facts, warnings), memory))
 
     for node in nodes:
         if reserved[node.name] > node.num_cpus:
@@ -106,7 +123,7 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
         kv = (f"decode pulls prompt KV from prefill over {t.backend}; lease {t.lease_s:g}s, "
               f"timeout {t.transfer_timeout_s:g}s, on failure: {t.failure_policy}")
     return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv,
-                _autoscaling_line(manifest, warnings))
+                _autoscaling_line(manifest, warnings), errors)
 
 
 def _autoscaling_line(manifest: Manifest, warnings: list[str]) -> str | None:
@@ -140,11 +157,63 @@ def _expert_range(facts: ModelFacts | None, rank: int, size: int) -> tuple[int, 
     return first, first + base + (1 if rank < extra else 0) - 1
 
 
-def _weights_per_rank(facts: ModelFacts | None, ranks: int) -> int | None:
+def _weights_per_rank(facts: ModelFacts | None, ranks: int, tp: int = 1, pool: PoolSpec | None = None) -> int | None:
     if facts is None:
         return None
-    dense = facts.weight_bytes - facts.expert_weight_bytes
-    return dense + -(-facts.expert_weight_bytes // ranks)
+    from cluster.plan_memory import weights_per_rank
+
+    experts = _physical_expert_bytes(facts, pool)
+    return weights_per_rank(facts.weight_bytes - facts.expert_weight_bytes + experts, experts, ranks, tp)
+
+
+def _physical_expert_bytes(facts: ModelFacts, pool: PoolSpec | None) -> int:
+    """EPLB's redundant experts are extra copies: (experts + redundant) / experts of the bytes."""
+    ep = pool.expert_parallel if pool is not None else None
+    if not ep or not ep.enable_eplb or not ep.num_redundant_experts or not facts.num_experts:
+        return facts.expert_weight_bytes
+    return facts.expert_weight_bytes * (facts.num_experts + ep.num_redundant_experts) // facts.num_experts
+
+
+def _rank_memory(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None) -> RankMemory | None:
+    if facts is None:
+        return None
+    tp = pool.engine.tensor_parallel_size
+    experts = _physical_expert_bytes(facts, pool)
+    return rank_memory(
+        weight_bytes=facts.weight_bytes - facts.expert_weight_bytes + experts, expert_bytes=experts,
+        kv_bytes_per_token=facts.kv_bytes_per_token_on_rank(tp), ep_size=pool.ranks_per_replica, tp_size=tp,
+        gpu=manifest.accelerator.value == "gpu",
+        memory_gib=accelerator_memory_gib(pool.placement.node_labels, pool.placement.accelerator_memory_gib),
+        utilization=pool.engine.gpu_memory_utilization, cpu_kv_gib=pool.engine.cpu_kvcache_space_gib)
+
+
+def _fit_issues(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None, memory: RankMemory | None,
+                warnings: list[str]) -> list[str]:
+    if facts is None or memory is None:
+        return []
+    if manifest.accelerator.value == "gpu" and memory.usable_bytes is None:
+        warnings.append(f"pool {pool.name}: accelerator memory unknown (no {_known_label()} node label); set "
+                        "placement.accelerator_memory_gib to size the KV cache and check that the weights fit")
+        return []
+    if not memory.fits:
+        ep, tp = pool.ranks_per_replica, pool.engine.tensor_parallel_size
+        split = smallest_fitting_split(facts.weight_bytes, facts.expert_weight_bytes, facts.num_experts,
+                                       memory.usable_bytes, ep, tp)
+        fix = (f"set expert_parallel.size: {split} (the smallest that divides {facts.num_experts} experts and fits)"
+               if split else "add tensor-parallel ranks")
+        return [f"pool {pool.name}: each rank loads {_gib(memory.weight_bytes)} of weights but has "
+                f"{_gib(memory.device_memory_bytes)} x gpu_memory_utilization {pool.engine.gpu_memory_utilization:g} "
+                f"= {_gib(memory.usable_bytes)}; {fix}, quantize (model.quantization: fp8), or use larger devices"]
+    if memory.kv_tokens and memory.kv_tokens < manifest.model.max_model_len:
+        warnings.append(f"pool {pool.name}: a rank holds at most {memory.kv_tokens:,} tokens of KV, fewer than "
+                        f"max_model_len={manifest.model.max_model_len:,}; long requests cannot run")
+    return []
+
+
+def _known_label() -> str:
+    from cluster.plan_memory import ACCELERATOR_LABEL, ACCELERATOR_MEMORY_GIB
+
+    return f"{ACCELERATOR_LABEL}: {'/'.join(ACCELERATOR_MEMORY_GIB)}"
 
 
 def _expert_parallel_line(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None,
@@ -168,13 +237,16 @@ def _selector(pool: PoolSpec) -> str:
     return "nodes with " + ", ".join(f"{k}={v}" for k, v in labels.items()) if labels else "any node"
 
 
-def _kv_capacity(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None) -> tuple[int | None, int | None]:
+def _kv_capacity(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None,
+                 memory: RankMemory | None) -> tuple[int | None, int | None]:
     if manifest.accelerator.value != "cpu":
-        return None, None  # vLLM sizes GPU KV cache from free memory at start-up
-    kv_bytes = int(pool.engine.cpu_kvcache_space_gib * (1 << 30))
-    if facts is None or facts.kv_bytes_per_token <= 0:
+        if memory is None or memory.usable_bytes is None:
+            return None, None  # vLLM sizes GPU KV cache from free memory at start-up
+        return memory.kv_cache_bytes, memory.kv_tokens
+    kv_bytes = int(pool.engine.cpu_kvcache_space_gib * GIB)
+    if memory is None or memory.kv_bytes_per_token <= 0:
         return kv_bytes, None
-    return kv_bytes, kv_bytes // facts.kv_bytes_per_token
+    return kv_bytes, memory.kv_tokens
 
 
 def render_plan(plan: Plan) -> str:
@@ -182,8 +254,9 @@ def render_plan(plan: Plan) -> str:
     if plan.model_facts:
         f = plan.model_facts
         experts = f", {f.num_experts} routed experts/layer" if f.num_experts else ""
-        lines.append(f"checkpoint   {_gib(f.weight_bytes)} weights, {f.num_layers} layers{experts}, "
-                     f"{f.kv_bytes_per_token} KV bytes/token")
+        attention = f", {f.attention}" if f.attention else ""
+        lines.append(f"checkpoint   {_gib(f.weight_bytes)} weights, {f.num_layers} layers{experts}{attention}, "
+                     f"{f.kv_bytes_per_token:,} KV bytes/token" + (f"  [{f.source}]" if f.source else ""))
     else:
         lines.append("checkpoint   not readable here (sizes unknown)")
     lines.append(f"ingress      on {plan.ingress_node}")
@@ -195,27 +268,66 @@ def render_plan(plan: Plan) -> str:
     if plan.autoscaling:
         lines.append(f"autoscaling  {plan.autoscaling}")
     lines.append("")
-    lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'rank':<6}{'experts':<10}{'node':<30}"
-                 f"{'cpus':>6}{'gpus':>6}  {'weights':<11}kv cache")
+    lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'rank':<7}{'experts':<10}{'node':<34}"
+                 f"{'cpus':>6}{'gpus':>6}{'count':>7}  {'weights':<11}kv cache per rank")
     for pool in plan.pools:
-        kv = "auto (GPU memory)" if pool.kv_cache_bytes_per_replica is None else _gib(pool.kv_cache_bytes_per_replica)
-        if pool.kv_cache_tokens_per_replica:
-            kv += f" = {pool.kv_cache_tokens_per_replica:,} tokens"
-        for rep in pool.replicas:
-            rank = "-" if rep.rank is None else str(rep.rank)
-            if rep.experts:
-                experts = f"{rep.experts[0]}-{rep.experts[1]}"
+        kv = _kv_cell(plan, pool)
+        # A declared local cluster has a handful of ranks, each on a named node: list them all.
+        for group in (_identical_rows(pool) if not plan.node_cpu_reserved else [[r] for r in pool.replicas]):
+            first = group[0]
+            replicas = _span([r.replica_index for r in group])
+            ranks = "-" if first.rank is None else _span([r.rank for r in group])
+            if first.experts and len(group) == 1:
+                experts = f"{first.experts[0]}-{first.experts[1]}"
+            elif first.experts:
+                experts = f"{first.experts[1] - first.experts[0] + 1} each"
             else:
-                experts = "1/" + str(len({r.rank for r in pool.replicas})) if rep.rank is not None else "all"
-            weights = "?" if rep.weight_bytes is None else _gib(rep.weight_bytes)
-            lines.append(f"{pool.name:<12}{pool.role:<11}{rep.replica_index:<9}{rank:<6}{experts:<10}{rep.node:<30}"
-                         f"{rep.num_cpus:>6g}{rep.num_gpus:>6g}  {weights:<11}{kv}")
+                experts = "1/" + str(len({r.rank for r in pool.replicas})) if first.rank is not None else "all"
+            weights = "?" if first.weight_bytes is None else _gib(first.weight_bytes)
+            lines.append(f"{pool.name:<12}{pool.role:<11}{replicas:<9}{ranks:<7}{experts:<10}{first.node:<34}"
+                         f"{first.num_cpus:>6g}{first.num_gpus:>6g}{'x' + str(len(group)):>7}  {weights:<11}{kv}")
     if plan.node_cpu_reserved:
         lines.append("")
         lines.append("cpus reserved per node: " + ", ".join(f"{k}={v:g}" for k, v in plan.node_cpu_reserved.items()))
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
+    for error in plan.errors:
+        lines.append(f"error: {error}")
     return "\n".join(lines)
+
+
+def _kv_cell(plan: Plan, pool: PoolPlan) -> str:
+    memory = pool.rank_memory
+    if pool.kv_cache_bytes_per_replica is None:
+        return "auto (GPU memory)"
+    kv = _gib(pool.kv_cache_bytes_per_replica)
+    if pool.kv_cache_tokens_per_replica is not None:
+        bound = "<= " if memory is not None and memory.usable_bytes is not None else ""
+        kv = f"{bound}{kv} = {bound}{pool.kv_cache_tokens_per_replica:,} tokens"
+        if memory is not None and memory.usable_bytes is not None:
+            kv += f" ({_gib(memory.device_memory_bytes)} x {memory.usable_bytes / memory.device_memory_bytes:.2f} - weights)"
+    return kv
+
+
+def _identical_rows(pool: PoolPlan) -> list[list[ReplicaPlacement]]:
+    """Consecutive ranks that differ only in index (and which experts they hold) form one row."""
+    groups: list[list[ReplicaPlacement]] = []
+    for rep in pool.replicas:
+        if groups and _row_key(groups[-1][0]) == _row_key(rep):
+            groups[-1].append(rep)
+        else:
+            groups.append([rep])
+    return groups
+
+
+def _row_key(rep: ReplicaPlacement) -> tuple:
+    held = rep.experts[1] - rep.experts[0] if rep.experts else None
+    return (rep.node, rep.num_cpus, rep.num_gpus, rep.weight_bytes, held, rep.rank is None)
+
+
+def _span(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def _gib(n: int) -> str:

@@ -31,6 +31,8 @@ def engine_args_dict(model: dict, engine: dict, model_path: str) -> dict[str, An
     for optional in ("max_num_batched_tokens", "block_size"):
         if engine.get(optional) is not None:
             args[optional] = engine[optional]
+    if model.get("quantization"):
+        args["quantization"] = model["quantization"]
     args.update(engine.get("extra_args") or {})
     return args
 

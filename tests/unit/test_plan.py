@@ -120,7 +120,7 @@ def test_kv_tokens_from_model_facts():
     assert pool.kv_cache_tokens_per_replica == (2 << 30) // 1000
     text = render_plan(plan)
     assert f"{(2 << 30) // 1000:,} tokens" in text
-    assert "3.00 GiB weights, 4 layers, 8 routed experts/layer, 1000 KV bytes/token" in text
+    assert "3.00 GiB weights, 4 layers, 8 routed experts/layer, 1,000 KV bytes/token" in text
 
 
 def test_kv_bytes_without_facts_leave_tokens_unknown():
@@ -178,12 +178,15 @@ def test_disaggregated_plan_renders_kv_transfer_and_places_each_role_on_its_node
 
 def test_read_model_facts(tmp_path):
     config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-              "num_experts": 8, "hidden_size": 128}
+              "num_experts": 8, "hidden_size": 128, "vocab_size": 1000, "intermediate_size": 256,
+              "model_type": "qwen3_moe"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1234)
     facts = read_model_facts(tmp_path, "bfloat16")
-    # K and V (2) x layers (4) x kv heads (2) x head dim (32) x bf16 (2 bytes)
-    assert facts == ModelFacts(weight_bytes=1234, num_layers=4, kv_bytes_per_token=1024, num_experts=8)
+    # K and V (2) x layers (4) x kv heads (2) x head dim (32) x bf16 (2 bytes); the weight
+    # bytes are the files' (the header cannot be parsed, so no expert share is found)
+    assert (facts.weight_bytes, facts.num_layers, facts.kv_bytes_per_token, facts.num_experts) == (1234, 4, 1024, 8)
+    assert facts.attention == "GQA (2 KV heads x 32)" and facts.source == "checkpoint"
     assert read_model_facts(tmp_path, "float32").kv_bytes_per_token == 2048
     assert read_model_facts(tmp_path / "absent", "bfloat16") is None
 
@@ -206,7 +209,10 @@ def test_cli_plan_every_manifest(path, no_checkpoints, capsys):
     manifest = load_manifest(path)
     assert f"application {manifest.name}: model {manifest.model.name}" in out
     for pool in manifest.pools:
-        assert sum(line.startswith(pool.name + " ") for line in out.splitlines()) == pool.replicas * pool.ranks_per_replica
+        # Identical ranks share one row; its "xN" count says how many.
+        counts = [int(next(c for c in line.split() if c.startswith("x") and c[1:].isdigit())[1:])
+                  for line in out.splitlines() if line.startswith(pool.name + " ")]
+        assert sum(counts) == pool.replicas * pool.ranks_per_replica
     assert not no_checkpoints.exists()  # plan never builds a checkpoint
 
 
@@ -221,7 +227,8 @@ def test_cli_plan_reads_facts_of_a_built_checkpoint(no_checkpoints, capsys):
     ckpt = no_checkpoints / "tiny-qwen3-moe"
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}))
+        {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "hidden_size": 128, "vocab_size": 1000, "intermediate_size": 256}))
     assert main(["plan", str(LOCAL)]) == 0
     # 1 GiB CPU KV cache / (2 x 4 layers x 2 heads x 32 dims x 4 bytes (float32) per token)
     assert "524,288 tokens" in capsys.readouterr().out
