@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="run every prompt alone (vLLM 0.32's CPU MLA path is not batch-invariant)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -36,7 +38,11 @@ def main() -> None:
     results: dict[str, dict] = {}
 
     prompts = {**COMPLETION_PROMPTS, **concurrent_prompts()}
-    for name, output in zip(prompts, llm.generate(list(prompts.values()), greedy, use_tqdm=False)):
+    if args.one_at_a_time:
+        outputs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in prompts.values()]
+    else:
+        outputs = llm.generate(list(prompts.values()), greedy, use_tqdm=False)
+    for name, output in zip(prompts, outputs):
         results[name] = {"token_ids": list(output.outputs[0].token_ids), "text": output.outputs[0].text,
                          "prompt_token_ids": list(output.prompt_token_ids)}
     for name, messages in CHAT_CONVERSATIONS.items():

@@ -319,3 +319,30 @@ def test_count_local_routes_counts_only_the_experts_this_rank_holds():
     expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # this rank holds experts 2 and 3
     topk_ids = torch.tensor([[0, 2], [3, 2], [1, 0]], dtype=torch.int32)
     assert count_local_routes(topk_ids, expert_map).tolist() == [0, 0, 2, 1]
+
+
+def test_grouped_topk_with_correction_bias_is_localized_and_counted_exactly_over_ranks():
+    """DeepSeek-V3/GLM-4.5 routing (sigmoid scores, groups, correction bias) happens in vLLM's
+    router before the experts run, so the shim sees its ids: across both ranks, the localized
+    routes and the per-expert counts must add up to exactly the router's global choice."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
+
+    from deployments.vllm_cpu_ep_compat import count_local_routes, localize_topk
+
+    generator = torch.Generator().manual_seed(3)
+    tokens, experts = 64, 8
+    hidden = torch.randn(tokens, 16, generator=generator)
+    logits = torch.randn(tokens, experts, generator=generator)
+    bias = torch.randn(experts, generator=generator) * 0.5
+    kwargs = dict(topk=2, renormalize=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
+                  routed_scaling_factor=2.5)
+    weights, ids = grouped_topk(hidden, logits, e_score_correction_bias=bias, **kwargs)
+    _, ids_without_bias = grouped_topk(hidden, logits, e_score_correction_bias=None, **kwargs)
+    assert not torch.equal(ids, ids_without_bias)  # the bias changes which experts are picked
+    groups = ids.long() // 2  # 8 experts in 4 groups of 2
+    assert all(len(set(row.tolist())) <= 2 for row in groups)  # at most topk_group groups per token
+    maps = [torch.tensor([0, 1, 2, 3, -1, -1, -1, -1]), torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3])]
+    counts = sum(count_local_routes(ids, m) for m in maps)
+    assert torch.equal(counts, torch.bincount(ids.long().flatten(), minlength=experts))
+    kept = sum(localize_topk(ids, weights, m)[1] for m in maps)
+    assert torch.allclose(kept, weights)  # every slot's weight is kept on exactly one rank

@@ -1,0 +1,219 @@
+"""DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial rotary) layouts through our stack, on the
+session's cluster as a second application beside the default one:
+
+1. P/D with an expert-parallel decode group (manifests/local-deepseek.yaml, local-glm.yaml as
+   committed): prompt KV crosses nodes through our connector (MLA: one latent page per block
+   and layer), decode's two ranks each hold half of the routed experts;
+2. the same model colocated on one 2-rank expert-parallel group (prefill and decode in the
+   group, no connector).
+
+Greedy outputs through HTTP must equal one plain vLLM engine's on the same checkpoint, and
+the connector's counters must show that every prompt block came over the wire.
+
+Requests are sent one at a time and the reference runs each prompt alone: vLLM 0.32's CPU MLA
+path is not batch-invariant (docs/architectures.md: batched steps of the plain engine give
+other tokens than the same prompts run alone, and differ from run to run), so equality is
+only meaningful per request.
+
+Known vLLM defect (docs/architectures.md): on CPU, an MLA request whose prompt is partly in the
+KV cache and partly computed ("prefill with context", the step decode runs for the last prompt
+token after loading the rest) gives other hidden states than a plain prefill. vLLM's own
+ExampleConnector shows the same divergence, so for DeepSeek-V3 under P/D the test checks what
+our stack owns (prompt ids, the prefill's first token, every block over the wire with exact
+bytes) and reports the later tokens as an expected failure until vLLM fixes that path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import REPO, TEST_HTTP_PORT
+from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS
+
+pytestmark = pytest.mark.integration
+
+MODELS = {
+    # manifest, KV block size (vLLM forces 16 for MLA on CPU; 128 is the CPU default), KV bytes/token
+    "tiny-deepseek-v3": ("local-deepseek.yaml", 16, 4 * 576 * 4),
+    "tiny-glm4-moe": ("local-glm.yaml", 128, 2 * 4 * 2 * 32 * 4),
+}
+
+
+def _log(message: str) -> None:
+    print(f"[architectures] {message}", file=sys.stderr, flush=True)
+
+
+def _reference(model_path: Path, out: Path, dtype: str) -> dict:
+    subprocess.run([sys.executable, str(REPO / "tests" / "reference_engine.py"), str(model_path), str(out),
+                    "--dtype", dtype, "--one-at-a-time"], check=True, cwd=REPO, timeout=600,
+                   stdout=subprocess.DEVNULL,
+                   stderr=sys.stderr if os.environ.get("MOE_SERVE_TEST_VERBOSE") else subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def _manifest_data(model: str, colocated: bool) -> dict:
+    data = yaml.safe_load((REPO / "manifests" / MODELS[model][0]).read_text())
+    data["name"] = "arch-" + model.removeprefix("tiny-")
+    data["http"]["port"] = TEST_HTTP_PORT
+    data["http"]["route_prefix"] = "/" + data["name"]
+    if colocated:
+        decode = next(p for p in data["pools"] if p["role"] == "decode")
+        data["pools"] = [{**decode, "name": "engine", "role": "colocated"}]
+        data["pools"][0]["engine"]["enable_prefix_caching"] = True
+    return data
+
+
+class ArchStack:
+    def __init__(self, stack, model: str, reference: dict):
+        self.model, self.reference, self.stack = model, reference, stack
+        self.app = None
+        self.base_url = None
+
+    def deploy(self, colocated: bool) -> None:
+        from cluster.manifest import parse_manifest
+        from cluster.serve_control import deploy
+
+        data = _manifest_data(self.model, colocated)
+        started = time.monotonic()
+        deploy(parse_manifest(data, f"{self.model} manifest"), progress=lambda m: None)
+        self.app = data["name"]
+        self.base_url = f"http://127.0.0.1:{TEST_HTTP_PORT}{data['http']['route_prefix']}"
+        _log(f"{self.app} ({'colocated EP group' if colocated else 'P/D + EP decode'}) up in "
+             f"{time.monotonic() - started:.0f}s")
+
+    def stats(self, pool: str):
+        from ray import serve
+
+        return serve.get_deployment_handle(pool, app_name=self.app).stats.remote().result(timeout_s=30)
+
+    def complete(self, prompt: str) -> dict:
+        response = httpx.post(f"{self.base_url}/v1/completions", timeout=120, json={
+            "model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def arch(request, stack, tmp_path_factory):
+    from ray import serve
+
+    from cluster.checkpoints import resolve_model_path
+
+    model = request.param
+    manifest = yaml.safe_load((REPO / "manifests" / MODELS[model][0]).read_text())
+    _log(f"reference outputs of {model} (one prompt at a time)")
+    reference = _reference(resolve_model_path(manifest["model"]["path"]),
+                           tmp_path_factory.mktemp("ref") / "outputs.json", manifest["model"]["dtype"])
+    arch_stack = ArchStack(stack, model, reference)
+    arch_stack.deploy(colocated=False)
+    try:
+        yield arch_stack
+    finally:
+        if arch_stack.app:
+            serve.delete(arch_stack.app)
+
+
+MLA_CONTEXT_PREFILL_DEFECT = (
+    "vLLM 0.32 CPU MLA: a prefill with cached context (decode's step for the last prompt token) "
+    "diverges from a plain prefill; vLLM's own ExampleConnector diverges the same way")
+
+
+def _outputs(arch_stack: ArchStack) -> dict[str, list[int]]:
+    """Greedy token ids per reference name: short, ~1,260-token long, two chats, streamed long."""
+    out = {}
+    for name in ("short", "question", "long"):
+        body = arch_stack.complete(COMPLETION_PROMPTS[name])
+        assert body["prompt_token_ids"] == arch_stack.reference[name]["prompt_token_ids"], name
+        out[name] = body["choices"][0]["token_ids"]
+    assert len(arch_stack.reference["long"]["prompt_token_ids"]) >= 512
+    for name, messages in CHAT_CONVERSATIONS.items():
+        response = httpx.post(f"{arch_stack.base_url}/v1/chat/completions", timeout=120, json={
+            "model": arch_stack.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        out[name] = response.json()["choices"][0]["token_ids"]
+    streamed: list[int] = []
+    with httpx.stream("POST", f"{arch_stack.base_url}/v1/completions", timeout=120, json={
+            "model": arch_stack.model, "prompt": COMPLETION_PROMPTS["long"], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True, "return_token_ids": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                streamed += [t for c in json.loads(line[6:])["choices"] for t in c.get("token_ids", [])]
+    out["long (streamed)"] = streamed
+    return out
+
+
+def _expected(arch_stack: ArchStack, name: str) -> list[int]:
+    return arch_stack.reference[name.removesuffix(" (streamed)")]["token_ids"]
+
+
+def _assert_identical(arch_stack: ArchStack, outputs: dict[str, list[int]]) -> None:
+    for name, token_ids in outputs.items():
+        assert token_ids == _expected(arch_stack, name), name
+
+
+def _settled(arch_stack: ArchStack, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill, decode = arch_stack.stats("prefill"), arch_stack.stats("decode")
+        if (prefill.kv_transfer["leases_outstanding"] == 0 and decode.kv_transfer["pulls_in_flight"] == 0) \
+                or time.monotonic() > deadline:
+            return prefill, decode
+        time.sleep(0.2)
+
+
+def test_pd_with_ep_decode_is_token_identical_and_every_prompt_block_is_pulled(arch):
+    _, block_tokens, kv_bytes_per_token = MODELS[arch.model]
+    before_p, before_d = (s.kv_transfer for s in _settled(arch))
+    outputs = _outputs(arch)
+    prefill, decode = _settled(arch)
+    p, d = prefill.kv_transfer, decode.kv_transfer
+    # Every request was disaggregated: prompt blocks per request, summed (chat prompts come from
+    # the reference's prompt ids; the streamed long prompt once more).
+    prompts = [arch.reference[n]["prompt_token_ids"] for n in ("short", "question", "long", *CHAT_CONVERSATIONS, "long")]
+    expected_blocks = sum(math.ceil(len(ids) / block_tokens) for ids in prompts)
+    assert d["pulls_succeeded_total"] - before_d["pulls_succeeded_total"] == len(prompts)
+    assert d["pulls_failed_total"] == before_d["pulls_failed_total"]
+    assert d["fallbacks_total"] == before_d["fallbacks_total"]  # no silent recompute
+    assert d["blocks_loaded_total"] - before_d["blocks_loaded_total"] == expected_blocks
+    assert p["blocks_leased_total"] - before_p["blocks_leased_total"] == expected_blocks
+    # A page is block_tokens x the per-token KV of every layer: MLA moves one latent, GQA K and V.
+    assert d["bytes_loaded_total"] - before_d["bytes_loaded_total"] == expected_blocks * block_tokens * kv_bytes_per_token
+    assert p["leases_outstanding"] == 0 and p["leases_expired_total"] == before_p["leases_expired_total"]
+    if arch.model != "tiny-deepseek-v3":
+        _assert_identical(arch, outputs)
+        return
+    for name, token_ids in outputs.items():  # the prefill engine's token: a plain prefill on both sides
+        assert token_ids[0] == _expected(arch, name)[0], name
+    if any(token_ids != _expected(arch, name) for name, token_ids in outputs.items()):
+        pytest.xfail(MLA_CONTEXT_PREFILL_DEFECT)
+
+
+def test_ep_decode_ranks_hold_disjoint_halves_and_route_through_the_real_router(arch):
+    stats = arch.stats("decode")
+    assert len(stats.ranks) == 2
+    held = [set(rank.routed_tokens_per_expert) for rank in stats.ranks]
+    assert held[0] <= {0, 1, 2, 3} and held[1] <= {4, 5, 6, 7}
+    # Grouped top-2 with a correction bias still spreads tokens over both ranks' experts.
+    assert held[0] and held[1]
+    assert stats.routed_tokens_per_expert == {
+        **stats.ranks[0].routed_tokens_per_expert, **stats.ranks[1].routed_tokens_per_expert}
+
+
+def test_colocated_ep_group_is_token_identical(arch):
+    """MLA, grouped sigmoid routing with its bias and shared experts under expert parallelism:
+    no connector involved, so DeepSeek-V3 must match exactly too."""
+    arch.deploy(colocated=True)
+    _assert_identical(arch, _outputs(arch))
