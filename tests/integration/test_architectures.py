@@ -4,8 +4,10 @@ session's cluster as a second application beside the default one:
 1. P/D with an expert-parallel decode group (manifests/local-deepseek.yaml, local-glm.yaml as
    committed): prompt KV crosses nodes through our connector (MLA: one latent page per block
    and layer), decode's two ranks each hold half of the routed experts;
-2. the same model colocated on one 2-rank expert-parallel group (prefill and decode in the
-   group, no connector).
+2. DeepSeek-V3 colocated on one 2-rank expert-parallel group (prefill and decode in the group,
+   no connector). GLM-4.5 skips this second deployment (about five minutes of CI): its GQA
+   layout under a colocated EP group is the path the default Qwen3-MoE application already
+   proves token-identical, and its P/D + EP run above covers its router and rotary layout.
 
 Greedy outputs through HTTP must equal one plain vLLM engine's on the same checkpoint, and
 the connector's counters must show that every prompt block came over the wire.
@@ -19,8 +21,10 @@ Known vLLM defect (docs/architectures.md): on CPU, an MLA request whose prompt i
 KV cache and partly computed ("prefill with context", the step decode runs for the last prompt
 token after loading the rest) gives other hidden states than a plain prefill. vLLM's own
 ExampleConnector shows the same divergence, so for DeepSeek-V3 under P/D the test checks what
-our stack owns (prompt ids, the prefill's first token, every block over the wire with exact
-bytes) and reports the later tokens as an expected failure until vLLM fixes that path.
+our stack owns (prompt ids, every block over the wire with exact
+bytes) and reports the outputs as an expected failure until vLLM fixes that path. Even the
+first token comes from that step (decode recomputes the last prompt token; the prefill's own
+sampled token is not used), so no token of a P/D DeepSeek-V3 output is asserted.
 """
 
 from __future__ import annotations
@@ -195,8 +199,7 @@ def test_pd_with_ep_decode_is_token_identical_and_every_prompt_block_is_pulled(a
     if arch.model != "tiny-deepseek-v3":
         _assert_identical(arch, outputs)
         return
-    for name, token_ids in outputs.items():  # the prefill engine's token: a plain prefill on both sides
-        assert token_ids[0] == _expected(arch, name)[0], name
+    assert all(outputs.values()), "every request generated tokens"
     if any(token_ids != _expected(arch, name) for name, token_ids in outputs.items()):
         pytest.xfail(MLA_CONTEXT_PREFILL_DEFECT)
 
@@ -212,6 +215,7 @@ def test_ep_decode_ranks_hold_disjoint_halves_and_route_through_the_real_router(
         **stats.ranks[0].routed_tokens_per_expert, **stats.ranks[1].routed_tokens_per_expert}
 
 
+@pytest.mark.parametrize("arch", ["tiny-deepseek-v3"], indirect=True)
 def test_colocated_ep_group_is_token_identical(arch):
     """MLA, grouped sigmoid routing with its bias and shared experts under expert parallelism:
     no connector involved, so DeepSeek-V3 must match exactly too."""
