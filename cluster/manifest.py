@@ -202,6 +202,32 @@ class KVTransferSpec(_Strict):
     """Honour the X-Moe-Serve-Inject-KV-Failure: 1 request header (tests only)."""
 
 
+class KVPoolSpec(_Strict):
+    """A cluster-wide KV cache pool (Mooncake Store) shared by prefill, decode and colocated
+    engines: prefix blocks computed anywhere are loaded instead of recomputed, and decode
+    stores whole conversations (generated tokens included) for their next turn."""
+
+    enabled: bool = False
+    """Start the pool's master with the application and give every engine a pool tier."""
+    backend: Literal["mooncake"] = "mooncake"
+    """The store: mooncake (Mooncake Store; needs the Mooncake wheel on every engine node)."""
+    segment_mib: Annotated[int, Field(ge=16, le=4_194_304)] = 256
+    """Memory each engine contributes to the pool, on the node it runs on (the pool's capacity
+    is this times the engines; `moe-serve plan` shows it in tokens of the model)."""
+    local_buffer_mib: Annotated[int, Field(ge=4, le=65_536)] = 64
+    """Each engine's transfer buffer (and its staging for blocks in flight)."""
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Transport between pool clients: tcp (anywhere, CPU included) or rdma (GPU clusters)."""
+    device_name: str = ""
+    """RDMA device names for protocol rdma (e.g. mlx5_0,mlx5_1); empty for tcp."""
+    master_rpc_port: Annotated[int | None, Field(ge=1, le=65535)] = None
+    """RPC port of the pool's master on the head node (a free port when unset)."""
+    master_http_port: Annotated[int | None, Field(ge=1, le=65535)] = None
+    """Port of the master's HTTP metadata server (a free port when unset)."""
+    retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    """After a pool call fails, engines serve without the pool this long, then try again."""
+
+
 class LocalNodeSpec(_Strict):
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")]
     """Node name, for humans and plan output."""
@@ -230,6 +256,8 @@ class Manifest(_Strict):
     slo: SLOSpec = Field(default_factory=SLOSpec)
     http: HTTPSpec = Field(default_factory=HTTPSpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    kv_pool: KVPoolSpec = Field(default_factory=KVPoolSpec)
+    """The cluster-wide KV cache pool (off unless enabled)."""
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     """Settings of the coordinated autoscaler (used when the pools have autoscaling bounds)."""
@@ -278,6 +306,9 @@ class Manifest(_Strict):
                     f"pools[{index}].placement.node_labels", pool.placement.node_labels,
                     "no node of local_cluster carries these labels",
                     "add the labels to a node in local_cluster.nodes or change the selector"))
+        if self.kv_pool.enabled and self.kv_pool.protocol == "rdma" and self.accelerator is Accelerator.cpu:
+            problems.append(ManifestIssue(
+                "kv_pool.protocol", "rdma", "RDMA on a cpu manifest", "use protocol: tcp on CPU machines"))
         problems.extend(autoscaling_issues(self))
         if self.local_cluster:
             node_names = [node.name for node in self.local_cluster.nodes]

@@ -75,6 +75,7 @@ class Plan:
     kv_transfer: str | None = None  # one line describing the transfer path, when disaggregated
     autoscaling: str | None = None  # one line: bounds per pool and how the controller decides
     errors: list[str] = field(default_factory=list)  # the manifest cannot run as written (e.g. weights do not fit)
+    kv_pool: str | None = None  # one line: the KV pool's capacity in bytes and tokens of the model
 
 
 def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
@@ -123,7 +124,28 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
         kv = (f"decode pulls prompt KV from prefill over {t.backend}; lease {t.lease_s:g}s, "
               f"timeout {t.transfer_timeout_s:g}s, on failure: {t.failure_policy}")
     return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv,
-                _autoscaling_line(manifest, warnings), errors)
+                _autoscaling_line(manifest, warnings), errors, _kv_pool_line(manifest, facts))
+
+
+def _kv_pool_line(manifest: Manifest, facts: ModelFacts | None) -> str | None:
+    """Capacity of the KV pool: every engine (rank) contributes segment_mib on its node; with
+    autoscaling the pool grows and shrinks with the engines, so the range is shown."""
+    spec = manifest.kv_pool
+    if not spec.enabled:
+        return None
+    def engines(replicas_of) -> int:
+        return sum(replicas_of(pool) * pool.ranks_per_replica for pool in manifest.pools)
+    now = engines(lambda pool: pool.replicas)
+    most = engines(lambda pool: pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas)
+    segment = spec.segment_mib << 20
+    def capacity(count: int) -> str:
+        total = count * segment
+        if facts is None or facts.kv_bytes_per_token <= 0:
+            return _gib(total)
+        return f"{_gib(total)} = {total // facts.kv_bytes_per_token:,} tokens"
+    size = capacity(now) if now == most else f"{capacity(now)} (up to {capacity(most)} at max replicas)"
+    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {now} engine(s) x "
+            f"{spec.segment_mib} MiB = {size}; every engine loads prefixes from it and stores what it computed")
 
 
 def _autoscaling_line(manifest: Manifest, warnings: list[str]) -> str | None:
@@ -262,6 +284,8 @@ def render_plan(plan: Plan) -> str:
     lines.append(f"ingress      on {plan.ingress_node}")
     if plan.kv_transfer:
         lines.append(f"kv transfer  {plan.kv_transfer}")
+    if plan.kv_pool:
+        lines.append(f"kv pool      {plan.kv_pool}")
     for pool in plan.pools:
         if pool.expert_parallel:
             lines.append(f"experts      pool {pool.name}: {pool.expert_parallel}")

@@ -48,13 +48,29 @@ def deploy(manifest: Manifest, progress=print) -> DeployResult:
     progress(f"checkpoint {model_path}")
     serve.start(http_options={"host": manifest.http.host, "port": manifest.http.port},
                 proxy_location=manifest.http.proxy_location)
+    pool_address = _start_kv_pool(manifest, progress) if manifest.kv_pool.enabled else None
     progress(f"deploying application '{manifest.name}': "
              + ", ".join(f"{p.name} x{p.replicas} ({p.role.value}{_bounds(p)})" for p in manifest.pools)
              + " (vLLM engines take ~30-60 s to start on CPU)")
-    serve.run(build_app(manifest, model_path), name=manifest.name, route_prefix=manifest.http.route_prefix,
+    serve.run(build_app(manifest, model_path, pool_address), name=manifest.name, route_prefix=manifest.http.route_prefix,
               blocking=False)
     url = f"http://{manifest.http.host}:{manifest.http.port}{manifest.http.route_prefix.rstrip('/')}"
     return DeployResult(manifest.name, url, manifest.model.name, time.monotonic() - started)
+
+
+def _start_kv_pool(manifest: Manifest, progress) -> dict:
+    """The application's KV pool master, on this (the head) node; kept across redeploys."""
+    import ray
+
+    from cluster.kv_pool_service import ensure_pool
+
+    spec = manifest.kv_pool
+    progress(f"starting the KV pool (Mooncake Store master) for '{manifest.name}' on this node")
+    address = ensure_pool(manifest.name, host=ray.util.get_node_ip_address(), rpc_port=spec.master_rpc_port,
+                          http_port=spec.master_http_port)
+    progress(f"KV pool master at {address['master_address']} (metadata {address['metadata_url']}); "
+             f"each engine contributes {spec.segment_mib} MiB")
+    return address
 
 
 def _bounds(pool) -> str:
@@ -93,8 +109,13 @@ def _name(value: object) -> str:
 def remove(app_name: str | None) -> str:
     from ray import serve
 
+    from cluster.kv_pool_service import stop_pool
+
     if app_name:
         serve.delete(app_name)
-        return f"deleted application {app_name}"
+        pool = " and its KV pool" if stop_pool(app_name) else ""
+        return f"deleted application {app_name}{pool}"
+    names = list(serve.status().applications)
     serve.shutdown()
-    return "shut down Serve (all applications)"
+    pools = [name for name in names if stop_pool(name)]
+    return "shut down Serve (all applications)" + (f" and the KV pools of {', '.join(pools)}" if pools else "")

@@ -98,8 +98,27 @@ def replica_count_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
     }}
 
 
-def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str):
-    kv_transfer = manifest.kv_transfer.model_dump() if manifest.disaggregated else None
+def engine_kv_settings(manifest: Manifest, pool_address: dict | None) -> dict | None:
+    """What every engine's connector gets from the manifest: the transfer settings (P/D) and the
+    KV pool's settings with its master's address; None when an engine needs no connector."""
+    if not manifest.disaggregated and pool_address is None:
+        return None
+    settings = manifest.kv_transfer.model_dump()
+    if pool_address is not None:
+        spec = manifest.kv_pool
+        settings["pool"] = {
+            "backend": spec.backend, "master_address": pool_address["master_address"],
+            "metadata_url": pool_address["metadata_url"], "protocol": spec.protocol,
+            "device_name": spec.device_name, "segment_bytes": spec.segment_mib << 20,
+            "local_buffer_bytes": spec.local_buffer_mib << 20, "key_prefix": manifest.name,
+            "failure_policy": manifest.kv_transfer.failure_policy, "retry_after_s": spec.retry_after_s,
+        }
+    return settings
+
+
+def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str,
+                       pool_address: dict | None = None):
+    kv_transfer = engine_kv_settings(manifest, pool_address)
     if pool.expert_parallel is not None:
         rank_options = engine_actor_options(manifest, pool)
         rank_options.pop("label_selector", None)
@@ -128,15 +147,19 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
            metrics=manifest.observability.metrics)
 
 
-def build_app(manifest: Manifest, model_path: str) -> Application:
-    """colocated: ingress -> engine pool; disaggregated: ingress -> prefill pool, then decode pool."""
+def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = None) -> Application:
+    """colocated: ingress -> engine pool; disaggregated: ingress -> prefill pool, then decode pool.
+    `pool_address`: the running KV pool's master (cluster.kv_pool_service.ensure_pool)."""
     model = manifest.model.model_dump()
     http = manifest.http.model_dump()
     if manifest.disaggregated:
-        engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.decode), model, model_path)
-        prefill = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.prefill), model, model_path)
+        engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.decode), model, model_path,
+                                    pool_address)
+        prefill = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.prefill), model, model_path,
+                                     pool_address)
     else:
-        engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.colocated), model, model_path)
+        engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.colocated), model, model_path,
+                                    pool_address)
         prefill = None
 
     ingress_options: dict[str, Any] = {"num_cpus": INGRESS_NUM_CPUS}

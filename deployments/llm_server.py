@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMServer:
-    """`kv_transfer` (disaggregated pools only): the manifest's kv_transfer section as a dict;
-    the replica completes it with the address its engine's connector serves blocks on."""
+    """`kv_transfer` (disaggregated pools, or any pool with a KV pool): the manifest's kv_transfer
+    section as a dict (plus "pool" settings); the replica completes it with the address its
+    engine's connector serves blocks (and its counters) on."""
 
     def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None = None,
                  engine_factory: Callable[..., Any] | None = None, pool: str = "engine", rank: int = 0,
@@ -198,14 +199,18 @@ class LLMServer:
 
 
 def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
-    """The manifest's kv_transfer section plus this replica's serving address."""
+    """The manifest's kv_transfer section plus this replica's serving address (and, with a KV
+    pool, the pool's settings with the address this engine's segment is reached at)."""
     host = kv_transfer.get("host") or _node_ip()
     with socket.socket() as probe:  # a free port now; the engine's worker binds it moments later
         probe.bind((host, 0))
         port = probe.getsockname()[1]
-    return {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
-            "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
-            "failure_policy": kv_transfer["failure_policy"]}
+    settings = {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
+                "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
+                "failure_policy": kv_transfer["failure_policy"]}
+    if kv_transfer.get("pool"):
+        settings["pool"] = {**kv_transfer["pool"], "local_hostname": host}
+    return settings
 
 
 def _node_ip() -> str:

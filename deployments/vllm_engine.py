@@ -13,6 +13,8 @@ from deployments.records import EngineRequest, EngineTiming, SamplingSpec, Token
 
 logger = logging.getLogger(__name__)
 
+POOL_HASH_ALGO = "sha256"  # cryptographic: vLLM derives its seed from a fixed default, so hashes agree
+
 
 def engine_args_dict(model: dict, engine: dict, model_path: str) -> dict[str, Any]:
     """AsyncEngineArgs fields for one replica (pure, so `plan` and tests can inspect it)."""
@@ -99,6 +101,9 @@ class VLLMEngine:
         fields = engine_args_dict(model, engine, model_path)
         if kv_connector is not None:
             fields["kv_transfer_config"] = kv_transfer_config(kv_connector, kv_connector["failure_policy"])
+            if kv_connector.get("pool"):
+                # Pool keys are vLLM's block hashes: every engine must hash alike (see pool/keys.py).
+                fields.setdefault("prefix_caching_hash_algo", POOL_HASH_ALGO)
         args = AsyncEngineArgs(**fields)
         scheduler = None
         if ray_metrics:

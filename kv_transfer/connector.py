@@ -3,8 +3,9 @@
 Loaded by module path (`KVTransferConfig(kv_connector="MoeServeConnector",
 kv_connector_module_path="kv_transfer.connector", kv_role="kv_both")`). vLLM builds one
 instance per role: SCHEDULER in the engine-core process (SchedulerSide decides what to keep,
-pull and release) and WORKER in the worker process (WorkerSide moves the bytes). The
-scheduler's StepPlan reaches the worker as this step's connector metadata.
+pull, load from the KV pool, store and release) and WORKER in the worker process (WorkerSide
+moves the bytes). The scheduler's StepPlan reaches the worker as this step's connector
+metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_transfer.connector_scheduler import SchedulerSide, StepPlan
+from kv_transfer.pool import engine_wiring
+from kv_transfer.pool.store import PoolSettings
 from kv_transfer.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -43,16 +46,19 @@ class MoeServeConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker = None
         self._releaser = None
+        pool_settings = PoolSettings.from_dict(self._settings.pool)
         if role == KVConnectorRole.SCHEDULER:
             from kv_transfer.releaser import BackgroundReleaser
 
+            pool = pool_settings and engine_wiring.scheduler_tier(pool_settings, vllm_config, kv_cache_config)
             self._releaser = BackgroundReleaser(self._settings.transfer_timeout_s)
             self._scheduler = SchedulerSide(self._settings, vllm_config.cache_config.block_size,
-                                            release_now=self._releaser.submit)
+                                            release_now=self._releaser.submit, pool=pool)
         else:
             from kv_transfer.connector_worker import WorkerSide
 
-            self._worker = WorkerSide(self._settings)
+            pool = pool_settings and engine_wiring.worker_tier(pool_settings, vllm_config, kv_cache_config)
+            self._worker = WorkerSide(self._settings, pool=pool)
 
     # -- scheduler side -----------------------------------------------------------------------
 

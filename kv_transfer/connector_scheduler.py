@@ -6,6 +6,9 @@ Decode role: a request that carries TransferParams reports its prompt as loadabl
 asynchronously; once vLLM allocated local blocks, the worker pulls the remote blocks into
 them. Pull exactly the blocks decode does not already have (a local prefix-cache hit covers
 the leading blocks, so only the tail of the remote list is pulled).
+Every role, with a KV pool (`pool.scheduler_tier`): blocks after the local prefix-cache hit
+that the pool holds are read from it (decode: before the rest is pulled from the prefill's
+lease), and a normally finished request offers its computed blocks to the pool.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kv_transfer.params import CONSUME_KEY, PRODUCE_KEY, TransferParams
+from kv_transfer.pool.records import LookupTally, PoolBlock, PoolStoreJob
 from kv_transfer.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
@@ -23,12 +27,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PullJob:
-    """Decode worker: copy remote blocks into local blocks (same order), then release."""
+    """Load a request's external blocks: first `pool_blocks` from the pool, then the remote
+    blocks into the local blocks (same order) from the prefill's lease, which is then
+    released. `params` is None for a pool-only load."""
 
     request_id: str
-    params: TransferParams
+    params: TransferParams | None
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
+    pool_blocks: tuple[PoolBlock, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,44 +54,77 @@ class StepPlan:
     pulls: list[PullJob] = field(default_factory=list)
     grants: list[LeaseGrant] = field(default_factory=list)
     releases: list[TransferParams] = field(default_factory=list)  # decode never pulled: free prefill
+    pool_stores: list[PoolStoreJob] = field(default_factory=list)
+    pool_lookups: LookupTally = field(default_factory=LookupTally)
 
 
 class SchedulerSide:
     """`release_now`: frees a prefill's lease without waiting for an engine step (see finished)."""
 
     def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
-                 release_now: Callable[[TransferParams], None] | None = None):
+                 release_now: Callable[[TransferParams], None] | None = None, pool: Any = None):
+        """`pool`: a PoolScheduler when the engine uses a KV pool."""
         self._settings = settings
         self._block_size = block_size_tokens
         self._plan = StepPlan()
         self._release_now = release_now
+        self._pool = pool
 
-    # -- decode role --------------------------------------------------------------------------
+    # -- admission: local hit, then pool, then (decode) the prefill's lease ---------------------
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        pool_tokens = self._pool.lookup(request, num_computed_tokens) * self._block_size if self._pool else 0
         params = request.kv_transfer_params
-        if not params or not params.get(CONSUME_KEY):
-            return 0, False
-        remote_tokens = min(int(params["remote_num_tokens"]), len(request.prompt_token_ids or ()))
-        count = remote_tokens - num_computed_tokens
+        if params and params.get(CONSUME_KEY):
+            remote_tokens = min(int(params["remote_num_tokens"]), len(request.prompt_token_ids or ()))
+            count = max(remote_tokens, num_computed_tokens + pool_tokens) - num_computed_tokens
+        else:
+            count = pool_tokens
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, local_unhashed_block_ids: list[int], num_external_tokens: int) -> None:
+        first_block, pool_hit = self._pool.take_hit(request.request_id) if self._pool else (0, 0)
+        local_ids = list(local_unhashed_block_ids) if num_external_tokens > 0 else []
+        pool_hit = min(pool_hit, len(local_ids))
+        pool_blocks = self._pool.load_blocks(request, first_block, local_ids[:pool_hit]) if pool_hit else ()
+        if pool_hit:
+            self._pool.loaded(request.request_id, first_block, pool_hit)
         params = request.kv_transfer_params
         if not params or not params.get(CONSUME_KEY):
+            if pool_blocks:
+                self._plan.pulls.append(PullJob(request.request_id, None, (), (), pool_blocks))
             return
         transfer = TransferParams.from_engine(params)
         params[CONSUME_KEY] = False  # one pull per request, even if vLLM asks again
-        if num_external_tokens <= 0 or not local_unhashed_block_ids:
+        if not local_ids:
             self._plan.releases.append(transfer)  # everything was a local cache hit
             return
-        remote = transfer.remote_block_ids[-len(local_unhashed_block_ids):]
-        local = tuple(local_unhashed_block_ids[: len(remote)])
-        self._plan.pulls.append(PullJob(request.request_id, transfer, local, tuple(remote)))
+        # The remote list covers the prompt from block 0; the local blocks cover its tail after
+        # the local hit: the pool's part first, then what only the lease holds.
+        remote = transfer.remote_block_ids[-len(local_ids):]
+        local = tuple(local_ids[pool_hit:len(remote)])
+        remote = tuple(remote[pool_hit:pool_hit + len(local)])
+        if not local and not pool_blocks:
+            self._plan.releases.append(transfer)
+            return
+        self._plan.pulls.append(PullJob(request.request_id, transfer, local, remote, pool_blocks))
 
     # -- prefill role -------------------------------------------------------------------------
 
     def finished(self, request: Any, block_ids: list[int], normally: bool) -> tuple[bool, dict | None]:
+        delay, out = self._finished_transfer(request, block_ids, normally)
+        store = None
+        if self._pool is not None:
+            # Not `delay` alone: a lease already holds the blocks; the store then only has to
+            # finish before the worker reports them free (it waits for both).
+            store = self._pool.store_job(request, block_ids, holds_blocks=not delay) if normally else None
+            self._pool.forget(request.request_id)
+        if store is not None:
+            self._plan.pool_stores.append(store)
+            delay = True
+        return delay, out
+
+    def _finished_transfer(self, request: Any, block_ids: list[int], normally: bool) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -115,4 +155,6 @@ class SchedulerSide:
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
+        if self._pool is not None:
+            plan.pool_lookups = self._pool.take_tally()
         return plan

@@ -4,7 +4,10 @@ Every engine serves its blocks (prefill role) and pulls blocks (decode role):
 - serve: a transport server hands out pages of leased blocks; a RELEASE from decode, or the
   lease's deadline, frees them (reported to vLLM as finished_sending);
 - pull: each PullJob runs on a small thread pool so engine steps never wait on the network;
-  success or failure is reported to vLLM on its next step (finished_recving / failed_recving).
+  success or failure is reported to vLLM on its next step (finished_recving / failed_recving);
+- pool (when configured): a PullJob's pool blocks are read from the KV pool before the lease's
+  blocks are pulled; store jobs run on their own thread, and a finished request's blocks are
+  reported free (finished_sending) only when both its lease and its store are done.
 """
 
 from __future__ import annotations
@@ -64,8 +67,12 @@ class _ReadGuard:
 
 
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings):
+    def __init__(self, settings: ConnectorSettings, pool=None):
+        """`pool`: a PoolWorker when the engine uses a KV pool."""
         self._settings = settings
+        self._pool = pool
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="kv-pool-store") if pool is not None else None
+        self._stores_pending: set[str] = set()
         self._backend = get_backend(settings.backend)
         self._leases = LeaseTable()
         self._counters = TransferCounters()
@@ -86,6 +93,8 @@ class WorkerSide:
 
     def register(self, pages) -> None:
         self._pages = pages
+        if self._pool is not None:
+            self._pool.attach(pages)
         self._client.register_sink(pages)  # backends that register memory do it once, here
         self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
                                             on_release=self._on_release, on_stats=self.stats,
@@ -102,8 +111,13 @@ class WorkerSide:
         now_s = time.monotonic()
         for grant in plan.grants:
             self._grant(grant, now_s)
+        if self._pool is not None:
+            self._pool.add_lookups(plan.pool_lookups)
+        for store in plan.pool_stores:
+            with self._lock:
+                self._stores_pending.add(store.request_id)
+            self._stores.submit(self._store, store)
         for job in plan.pulls:
-            self._counters.pull_started(len(job.local_block_ids))
             self._pulls.submit(self._pull, job)
         for params in plan.releases:
             self._pulls.submit(self._release_remote, params.remote_host, params.remote_port,
@@ -126,15 +140,22 @@ class WorkerSide:
             logger.warning("kv transfer: lease of %s expired unreleased; freeing %d blocks",
                            lease.request_id, len(lease.block_ids))
         with self._lock:
-            out = (self._finished_sending, self._finished_recving, self._failed_recving)
-            self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+            # A lease that ended while the request's blocks are still being stored: keep the
+            # blocks until the store is done (it reports the request itself then).
+            sending = self._finished_sending - self._stores_pending
+            out = (sending, self._finished_recving, self._failed_recving)
+            self._finished_sending -= sending
+            self._finished_recving, self._failed_recving = set(), set()
         return out
 
     def stats(self) -> dict[str, Any]:
+        pool = self._pool.snapshot() if self._pool is not None else {}
         return {**self._counters.snapshot(), "leases_outstanding": self._leases.outstanding(),
-                "leased_blocks": self._leases.outstanding_blocks()}
+                "leased_blocks": self._leases.outstanding_blocks(), **pool}
 
     def shutdown(self) -> None:
+        if self._stores is not None:
+            self._stores.shutdown(wait=False, cancel_futures=True)
         if self._server is not None:
             self._server.stop()
         self._pulls.shutdown(wait=False, cancel_futures=True)
@@ -174,8 +195,47 @@ class WorkerSide:
         while len(self._recently_done) > _REMEMBER_DONE:
             self._recently_done.popitem(last=False)
 
+    def _store(self, job) -> None:
+        """Store thread: write a finished request's blocks to the pool, then let them go."""
+        try:
+            self._pool.store(job.blocks)
+        except Exception as exc:  # never lose the blocks' release over a pool bug
+            logger.warning("kv pool: store for %s failed: %s", job.request_id, exc)
+        finally:
+            with self._lock:
+                self._stores_pending.discard(job.request_id)
+                if job.holds_blocks:
+                    self._finished_sending.add(job.request_id)
+
     def _pull(self, job: PullJob) -> None:
+        if job.pool_blocks:
+            try:
+                self._pool.load(job.pool_blocks)
+            except Exception as exc:  # missing, corrupt, pool down: vLLM recomputes (or fails) the request
+                logger.warning("kv pool: load of %d blocks for %s failed (%s: %s); policy %s",
+                               len(job.pool_blocks), job.request_id, type(exc).__name__, exc,
+                               self._settings.failure_policy)
+                with self._lock:
+                    self._finished_recving.add(job.request_id)
+                    self._failed_recving.add(job.request_id)
+                if job.params is not None:
+                    self._release_remote(job.params.remote_host, job.params.remote_port,
+                                         job.params.remote_request_id)
+                return
+        if job.params is None:
+            with self._lock:
+                self._finished_recving.add(job.request_id)
+            return
+        if not job.local_block_ids:  # the pool held everything the lease did
+            with self._lock:
+                self._finished_recving.add(job.request_id)
+            self._release_remote(job.params.remote_host, job.params.remote_port, job.params.remote_request_id)
+            return
+        self._pull_remote(job)
+
+    def _pull_remote(self, job: PullJob) -> None:
         params = job.params
+        self._counters.pull_started(len(job.local_block_ids))
         started = time.monotonic()
         try:
             if params.inject_failure:

@@ -16,6 +16,7 @@ class ConnectorSettings:
     transfer_timeout_s: float = 5.0  # a pull slower than this fails (then the failure policy applies)
     failure_policy: str = "recompute"  # recompute | fail (mirrors vLLM's kv_load_failure_policy)
     max_concurrent_pulls: int = 4
+    pool: dict[str, Any] | None = None  # kv_transfer.pool.store.PoolSettings as a dict; None: no pool
 
     def to_extra_config(self) -> dict[str, Any]:
         return asdict(self)
@@ -27,6 +28,10 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(f"unknown kv connector settings {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
+        if settings.pool is not None:
+            from kv_transfer.pool.store import PoolSettings
+
+            PoolSettings.from_dict(settings.pool)  # fails here, naming the field, not in an engine step
         if settings.failure_policy not in ("recompute", "fail"):
             raise ValueError(f"failure_policy must be recompute or fail, got {settings.failure_policy!r}")
         return settings

@@ -44,6 +44,11 @@ def alert_rules(ttft_slo_s: float, itl_slo_s: float, *, imbalance_ratio: float =
                   f"p90 inter-token latency is over the {itl_slo_s * 1e3:g} ms target"),
         AlertRule("MoeServeKVTransferFailures", q.KV_FAILURES, ">", 0, "0m", "warn",
                   "KV pulls failed in the last 10 minutes (decode recomputed or failed those requests)"),
+        AlertRule("MoeServeKVPoolFailures", q.KV_POOL_FAILURES, ">", 0, "0m", "warn",
+                  "KV pool calls failed or objects were refused as corrupt in the last 10 minutes "
+                  "(engines recomputed; check the pool's master)"),
+        AlertRule("MoeServeKVPoolDown", q.KV_POOL_DOWN, ">", 0, "1m", "warn",
+                  "engines are serving without the KV pool (its master is down or unreachable)"),
         AlertRule("MoeServeStuckKVLeases", q.KV_LEASES_EXPIRED, ">", 0, "0m", "warn",
                   "prefill leases ran to their deadline: decode never pulled or never released"),
         AlertRule("MoeServeReplicaRestarts", q.REPLICA_STARTS, ">", 1, "0m", "warn",

@@ -80,7 +80,12 @@ def kv_transfer() -> Dashboard:
             .with_panel(_panel("Mean pull latency", q.KV_PULL_LATENCY))
             .with_panel(_panel("Prefill leases outstanding", q.KV_LEASES))
             .with_panel(_panel("Failures and fallbacks (10 min)", q.KV_FAILURES, q.KV_FALLBACKS))
-            .with_panel(_panel("Expired (stuck) leases (10 min)", q.KV_LEASES_EXPIRED)))
+            .with_panel(_panel("Expired (stuck) leases (10 min)", q.KV_LEASES_EXPIRED))
+            .with_panel(_panel("KV pool hit rate", q.KV_POOL_HIT_RATE))
+            .with_panel(_panel("KV pool bandwidth", q.KV_POOL_BANDWIDTH))
+            .with_panel(_panel("KV pool time per block", q.KV_POOL_LATENCY))
+            .with_panel(_panel("KV pool failures (10 min) and engines without it", q.KV_POOL_FAILURES,
+                               q.KV_POOL_DOWN)))
 
 
 def experts() -> Dashboard:

@@ -39,3 +39,23 @@ class EngineServerMetrics:
         mirror.update(m.KV_FALLBACKS, kv.get("fallbacks_total", 0), pool=pool)
         mirror.update(m.KV_LEASES_EXPIRED, kv.get("leases_expired_total", 0), pool=pool)
         exporter.set(m.KV_LEASES_OUTSTANDING, kv.get("leases_outstanding", 0), pool=pool, rank=self._rank)
+        if "pool_up" in kv:
+            self._export_pool(kv)
+
+    def _export_pool(self, kv: dict) -> None:
+        """The KV pool tier's counters (kv_transfer.pool.worker_tier.PoolCounts, "pool_" keys)."""
+        mirror, pool = self._mirror, self._pool
+        hits = kv.get("pool_lookup_hit_blocks_total", 0)
+        mirror.update(m.KV_POOL_LOOKUP_BLOCKS, hits, pool=pool, outcome="hit")
+        mirror.update(m.KV_POOL_LOOKUP_BLOCKS, kv.get("pool_lookup_blocks_total", 0) - hits, pool=pool, outcome="miss")
+        for op, blocks, nbytes, seconds in (("loaded", "blocks_loaded", "bytes_loaded", "load_seconds"),
+                                           ("stored", "blocks_stored", "bytes_stored", "store_seconds")):
+            mirror.update(m.KV_POOL_BLOCKS, kv.get(f"pool_{blocks}_total", 0), pool=pool, op=op)
+            mirror.update(m.KV_POOL_BYTES, kv.get(f"pool_{nbytes}_total", 0), pool=pool, op=op)
+            mirror.update(m.KV_POOL_SECONDS, kv.get(f"pool_{seconds}_total", 0.0), pool=pool, op=op)
+        for op, key in (("already_pooled", "blocks_already_pooled"), ("refused", "blocks_refused")):
+            mirror.update(m.KV_POOL_BLOCKS, kv.get(f"pool_{key}_total", 0), pool=pool, op=op)
+        for op, key in (("lookup", "lookup_failures"), ("load", "load_failures"), ("store", "store_failures"),
+                        ("corrupt", "corrupt_objects")):
+            mirror.update(m.KV_POOL_FAILURES, kv.get(f"pool_{key}_total", 0), pool=pool, op=op)
+        self._exporter.set(m.KV_POOL_UP, kv.get("pool_up", 1), pool=pool, rank=self._rank)

@@ -113,6 +113,25 @@ KV_LEASES_EXPIRED = MetricDef("moe_serve_kv_leases_expired_total", Kind.counter,
                               "Prefill leases freed by their deadline instead of a release (a decode "
                               "never pulled or never confirmed).", ("pool",))
 
+# The cluster-wide KV pool (kv_transfer/pool/), per engine pool that reads or writes it.
+KV_POOL_LOOKUP_BLOCKS = MetricDef("moe_serve_kv_pool_lookup_blocks_total", Kind.counter,
+                                  "Prompt blocks looked up in the KV pool after the engine's own prefix "
+                                  "cache, by outcome (hit, miss); hit / all is the pool's hit rate.",
+                                  ("pool", "outcome"))
+KV_POOL_BLOCKS = MetricDef("moe_serve_kv_pool_blocks_total", Kind.counter,
+                           "KV blocks moved between engines and the pool, by op (loaded, stored, "
+                           "already_pooled, refused: the pool was full).", ("pool", "op"))
+KV_POOL_BYTES = MetricDef("moe_serve_kv_pool_bytes_total", Kind.counter,
+                          "KV cache bytes loaded from and stored to the pool, by op.", ("pool", "op"))
+KV_POOL_SECONDS = MetricDef("moe_serve_kv_pool_seconds_total", Kind.counter,
+                            "Seconds spent loading from and storing to the pool, by op.", ("pool", "op"))
+KV_POOL_FAILURES = MetricDef("moe_serve_kv_pool_failures_total", Kind.counter,
+                             "Failed pool calls by op (lookup, load, store) and corrupt objects refused "
+                             "(op corrupt); the engine recomputed instead.", ("pool", "op"))
+KV_POOL_UP = MetricDef("moe_serve_kv_pool_up", Kind.gauge,
+                       "1 while the engine uses the KV pool, 0 while it serves without it after a failure.",
+                       ("pool", "rank"))
+
 # The autoscaler's own metrics, exported from the Serve controller process (autoscaler/serve_loop.py).
 AUTOSCALER_TARGET = MetricDef("moe_serve_autoscaler_target_replicas", Kind.gauge,
                               "Replicas (expert-parallel groups) the autoscaler wants for each pool.", ("pool",))
@@ -131,6 +150,7 @@ CATALOGUE: tuple[MetricDef, ...] = (
     REQUESTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
     ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
+    KV_POOL_LOOKUP_BLOCKS, KV_POOL_BLOCKS, KV_POOL_BYTES, KV_POOL_SECONDS, KV_POOL_FAILURES, KV_POOL_UP,
     AUTOSCALER_TARGET, AUTOSCALER_CURRENT, AUTOSCALER_DECISIONS, AUTOSCALER_HOLDING, AUTOSCALER_LAST_DECISION,
 )
 

@@ -92,6 +92,25 @@ REPLICA_STARTS = Query("replica_starts",
                        f"sum by (deployment) ({recent_increase('ray_serve_deployment_replica_starts_total')})",
                        "{{deployment}}", "short", "Replica starts in the last 10 minutes")
 
+# -- KV pool --------------------------------------------------------------------------------------
+KV_POOL_HIT_RATE = Query(
+    "kv_pool_hit_rate",
+    f"sum by (pool) (rate({series(m.KV_POOL_LOOKUP_BLOCKS)}{{outcome=\"hit\"}}[{RATE_WINDOW}])) / "
+    f"sum by (pool) (rate({series(m.KV_POOL_LOOKUP_BLOCKS)}[{RATE_WINDOW}]))",
+    "{{pool}}", "percentunit", "KV pool hit rate (blocks looked up after the engine's own cache)")
+KV_POOL_BANDWIDTH = Query("kv_pool_bandwidth", f"sum by (pool, op) (rate({series(m.KV_POOL_BYTES)}[{RATE_WINDOW}]))",
+                          "{{pool}} {{op}}", "Bps", "KV pool bytes loaded and stored per second")
+KV_POOL_LATENCY = Query(
+    "kv_pool_latency",
+    f"sum by (pool, op) (rate({series(m.KV_POOL_SECONDS)}[5m])) / "
+    f"sum by (pool, op) (rate({series(m.KV_POOL_BLOCKS)}{{op=~\"loaded|stored\"}}[5m]))",
+    "{{pool}} {{op}}", "s", "KV pool seconds per block loaded or stored")
+KV_POOL_FAILURES = Query("kv_pool_failures",
+                         f"sum by (pool, op) ({recent_increase(series(m.KV_POOL_FAILURES))})", "{{pool}} {{op}}",
+                         "short", "KV pool failures and corrupt objects in the last 10 minutes")
+KV_POOL_DOWN = Query("kv_pool_down", f"count by (pool) ({series(m.KV_POOL_UP)} == 0)", "{{pool}}", "short",
+                     "Engines serving without the KV pool")
+
 # -- KV transfer ----------------------------------------------------------------------------------
 KV_PULL_RATE = Query("kv_pull_rate", f"sum by (pool, outcome) (rate({series(m.KV_PULLS)}[{RATE_WINDOW}]))",
                      "{{pool}} {{outcome}}", "reqps", "KV pulls by outcome")

@@ -1,0 +1,210 @@
+"""The KV pool on a multi-turn trace: pool on vs off, side by side on one cluster.
+
+    .venv/bin/python -m benchmarks.bench_kv_pool --rounds 2
+
+Two applications of the default manifest (P/D, 2-rank expert-parallel decode) run at once on
+one local cluster: `pool-off` exactly as the default manifest is (prefill's own prefix cache,
+decode's off), and `pool-on` with the KV pool. Rounds alternate between them (off, on, off,
+on, ...), so both see the same machine. The trace: conversations that share one system prompt,
+each turn sending the whole history (system prompt, earlier messages and the model's answers,
+as token ids, as a chat front end does) plus a new user message, with think time between
+turns. Reported: TTFT p50/p90 of turns 2+, throughput, and how many prompt tokens were loaded
+from the pool against how many were reusable (what the cluster had already computed), plus
+the speed of a pool load against a TCP pull of the same KV (decode's counters, bytes/s).
+Writes benchmarks/results/kv_pool.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+HTTP_PORT = 8000
+VOCAB = (3, 600)  # token ids the tiny checkpoints' tokenizer has
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def app_manifest(name: str, pool: bool, engine_kv_gib: float) -> dict:
+    data = yaml.safe_load((REPO / "manifests" / "local.yaml").read_text())
+    data["name"] = name
+    data["model"]["max_model_len"] = 4096
+    data["http"]["route_prefix"] = f"/{name}"
+    data["http"]["port"] = HTTP_PORT
+    for spec in data["pools"]:
+        spec["engine"]["cpu_kvcache_space_gib"] = engine_kv_gib
+    data["kv_pool"] = {"enabled": pool, "segment_mib": 256}
+    return data
+
+
+def make_conversations(args, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    system = [rng.randrange(*VOCAB) for _ in range(args.system_tokens)]
+    return [{"system": system,
+             "messages": [[rng.randrange(*VOCAB) for _ in range(args.message_tokens)] for _ in range(args.turns)]}
+            for _ in range(args.conversations)]
+
+
+async def run_conversation(client, url: str, model: str, conv: dict, args, start_delay_s: float) -> list[dict]:
+    await asyncio.sleep(start_delay_s)
+    history = list(conv["system"])
+    turns = []
+    for index, message in enumerate(conv["messages"]):
+        prompt = history + message
+        started = time.perf_counter()
+        first_s, answer = None, []
+        async with client.stream("POST", f"{url}/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    if choice.get("token_ids"):
+                        first_s = first_s if first_s is not None else time.perf_counter() - started
+                        answer += choice["token_ids"]
+        turns.append({"turn": index, "prompt_tokens": len(prompt), "ttft_s": first_s,
+                      "e2e_s": time.perf_counter() - started, "output_tokens": len(answer),
+                      # what the cluster computed before this turn: the previous prompt and
+                      # answer but the answer's last token (never fed back)
+                      "reusable_tokens": len(history) - 1 if index else 0})
+        history = prompt + answer
+        await asyncio.sleep(args.think_s)
+    return turns
+
+
+async def run_round(url: str, model: str, conversations: list[dict], args) -> tuple[list[dict], float]:
+    import httpx
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        per_conv = await asyncio.gather(*(
+            run_conversation(client, url, model, conv, args, i * args.stagger_s) for i, conv in enumerate(conversations)))
+    return [t for turns in per_conv for t in turns], time.perf_counter() - started
+
+
+def pool_counters(app: str) -> dict:
+    from ray import serve
+
+    out = {}
+    for pool in ("prefill", "decode"):
+        kv = serve.get_deployment_handle(pool, app_name=app).stats.remote().result(timeout_s=30).kv_transfer
+        out[pool] = {k: v for k, v in kv.items() if isinstance(v, (int, float))}
+    return out
+
+
+def summarize(turns: list[dict], seconds: float, before: dict, after: dict, block_tokens: int) -> dict:
+    later = [t for t in turns if t["turn"] > 0]
+    ttft = sorted(t["ttft_s"] * 1e3 for t in later if t["ttft_s"] is not None)
+    delta = {pool: {k: after[pool].get(k, 0) - before[pool].get(k, 0) for k in after[pool]} for pool in after}
+    prompt_tokens = sum(t["prompt_tokens"] for t in turns)
+    reusable = sum((t["reusable_tokens"] // block_tokens) * block_tokens for t in later)
+    loaded = delta["prefill"].get("pool_blocks_loaded_total", 0) * block_tokens
+    d = delta["decode"]
+    pool_bps = d.get("pool_bytes_loaded_total", 0) / d["pool_load_seconds_total"] if d.get("pool_load_seconds_total") else None
+    tcp_bps = d.get("bytes_loaded_total", 0) / d["pull_seconds_total"] if d.get("pull_seconds_total") else None
+    return {"ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
+            "requests_per_s": len(turns) / seconds, "output_tokens_per_s": sum(t["output_tokens"] for t in turns) / seconds,
+            "prompt_tokens": prompt_tokens, "reusable_tokens_turns_2plus": reusable,
+            "prefill_tokens_loaded_from_pool": loaded, "share_loaded": loaded / reusable if reusable else 0.0,
+            "decode_pool_load_bytes_per_s": pool_bps, "decode_tcp_pull_bytes_per_s": tcp_bps, "counters": delta}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per application (alternating)")
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--message-tokens", type=int, default=256)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--think-s", type=float, default=2.0)
+    parser.add_argument("--stagger-s", type=float, default=1.0, help="between conversation starts")
+    parser.add_argument("--engine-kv-gib", type=float, default=0.5)
+    parser.add_argument("--out", default=str(RESULTS / "kv_pool.json"))
+    args = parser.parse_args()
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from cluster.local_cluster import LocalCluster
+    from cluster.manifest import parse_manifest
+    from cluster.serve_control import connect, deploy
+
+    apps = {"pool-off": parse_manifest(app_manifest("pool-off", False, args.engine_kv_gib), "pool-off"),
+            "pool-on": parse_manifest(app_manifest("pool-on", True, args.engine_kv_gib), "pool-on")}
+    block_tokens = 128  # vLLM's CPU default
+    cluster = LocalCluster(apps["pool-off"].local_cluster).start(progress=_log)
+    results: dict[str, list[dict]] = {name: [] for name in apps}
+    try:
+        connect(cluster.address)
+        urls = {name: deploy(manifest, progress=_log).url for name, manifest in apps.items()}  # waits until ready
+        for index in range(args.rounds):
+            for name, manifest in apps.items():
+                # A fresh trace each round (other random ids): nothing of an earlier round is reusable.
+                conversations = make_conversations(args, seed=index)
+                before = pool_counters(name)
+                turns, seconds = asyncio.run(run_round(urls[name], manifest.model.name, conversations, args))
+                time.sleep(2)
+                summary = summarize(turns, seconds, before, pool_counters(name), block_tokens)
+                results[name].append(summary)
+                _log(f"round {index + 1} {name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, "
+                     f"{summary['requests_per_s']:.2f} req/s, loaded {summary['share_loaded']:.0%} of reusable")
+    finally:
+        import ray
+        from ray import serve
+
+        from cluster.kv_pool_service import stop_pool
+
+        serve.shutdown()
+        stop_pool("pool-on")
+        ray.shutdown()
+        cluster.shutdown()
+
+    def med(name: str, key: str) -> float:
+        values = [r[key] for r in results[name] if r[key] is not None]
+        return statistics.median(values) if values else float("nan")
+
+    rows = [("TTFT p50 ms (turns 2+)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 ms (turns 2+)", "ttft_p90_ms", "{:.0f}"),
+            ("requests/s", "requests_per_s", "{:.2f}"), ("output tokens/s", "output_tokens_per_s", "{:.0f}"),
+            ("prompt tokens sent", "prompt_tokens", "{:,.0f}"),
+            ("reusable prompt tokens (turns 2+)", "reusable_tokens_turns_2plus", "{:,.0f}"),
+            ("prefill tokens loaded from the pool", "prefill_tokens_loaded_from_pool", "{:,.0f}"),
+            ("share of reusable loaded", "share_loaded", "{:.0%}")]
+    print(f"\ntrace: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
+          f"tokens, {args.message_tokens}-token messages, {args.output_tokens} output tokens, think {args.think_s:g} s; "
+          f"engine KV {args.engine_kv_gib:g} GiB each; median of {args.rounds} rounds per side, alternating\n")
+    print("| metric | pool off | pool on | on / off |\n|---|---:|---:|---:|")
+    table = {}
+    for label, key, fmt in rows:
+        off, on = med("pool-off", key), med("pool-on", key)
+        table[label] = {"pool_off": off, "pool_on": on}
+        ratio = on / off if off else float("nan")
+        print(f"| {label} | {fmt.format(off)} | {fmt.format(on)} | {ratio:.2f} |")
+    pool_bps, tcp_bps = med("pool-on", "decode_pool_load_bytes_per_s"), med("pool-on", "decode_tcp_pull_bytes_per_s")
+    print(f"\ndecode, pool-on: pool loads {pool_bps / 1e6:.0f} MB/s vs TCP pulls {tcp_bps / 1e6:.0f} MB/s "
+          f"({pool_bps / tcp_bps:.2f}x) over the same run")
+    table["decode pool load vs tcp pull (bytes/s)"] = {"pool": pool_bps, "tcp": tcp_bps}
+    out = Path(args.out)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},
+                              indent=1, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

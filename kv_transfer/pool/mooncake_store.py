@@ -1,0 +1,429 @@
+"""Mooncake Store adapter of the KV pool (`PoolStore`): one `MooncakeDistributedStore` client.
+
+Measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on loopback, 2-core box:
+(a) setup() with global_segment_size=0 works (a lookup-only client, 0.3-0.6 s): it reads and
+    writes objects held in other clients' segments; allocate_and_mount_segment() adds a
+    segment later (0.05 s for 32 MiB).
+(b) Two clients live side by side in one process (one puts, the other reads it back).
+(c) Master killed: calls return RPC_FAIL (-900), at once or after 4.3-4.9 s (the client tries
+    to reconnect); health_check() turns 2 within seconds of the kill and costs 0.2 us (a flag
+    the client's ping thread keeps, no RPC). Master hung (SIGSTOP): health_check() stays 0 and
+    every call blocks 30 s, then returns -901. setup() with no master blocks 92 s, returns -1.
+    close() takes 2 s, 15 s with the master gone. Any call on a closed client segfaults.
+(d) Master restarted on the same ports: the existing client reconnects by itself (after 5
+    failed pings) and re-mounts its segment; puts return -200 for about a second, then all
+    works. Objects are gone (the master keeps them in memory). No re-creation is needed.
+(e) batch_put_from of a key that exists returns 0 and keeps the first object. A full pool
+    returns -200 (NO_AVAILABLE_HANDLE) for the keys that did not fit; eviction above the
+    master's high watermark makes room within a second.
+(f) batch_get_into: -704 (OBJECT_NOT_FOUND) for a missing key, -600 for a too-small buffer.
+    batch_is_exist of 64 keys takes 68 us. setup() refuses a segment of 0 < size < 16 MiB (-600).
+
+Hence every client call runs on a small thread pool and is awaited with a deadline (exists
+1 s, put/get 5 s, close 5 s): past it the call raises `PoolUnavailable` and its thread is left
+to finish (bounded by the client's own 30 s RPC timeout). While such a call is overdue, and
+while health_check() says the master is unreachable, calls fail at once instead of waiting.
+setup() runs in the background (after a cheap TCP probe of the master), so a first call
+waits at most its own deadline for it; a failed setup is retried no sooner than
+`retry_after_s`. A client whose master has looked unreachable for `retry_after_s` while the
+master's port accepts connections is replaced (`reconnect`), with registered buffers
+replayed. A client is closed only once no call is running on it (that would segfault).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kv_transfer.pool.store import PoolSettings, PoolUnavailable
+
+logger = logging.getLogger(__name__)
+
+NO_AVAILABLE_HANDLE = -200  # put: the pool is full
+OBJECT_ALREADY_EXISTS = -705  # put: the key is held (this client version answers 0 instead)
+MIN_SEGMENT_BYTES = 16 << 20  # setup() refuses a smaller non-zero segment (-600)
+_MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
+
+
+def _rpc_failure(code: int) -> bool:
+    return -999 <= code <= -900  # RPC_FAIL (-900), RPC timeout (-901), ...
+
+
+@dataclass
+class _Client:
+    """One set-up client and the calls running on it (it may be closed only when none are)."""
+
+    raw: Any
+    segment_bytes: int
+    registered: set[tuple[int, int]] = field(default_factory=set)
+    inflight: int = 0
+    retired: bool = False
+    mount_tried: bool = False
+    unreachable_since_s: float | None = None
+
+
+class MooncakePoolStore:
+    """A `PoolStore` on Mooncake Store. Thread-safe; never blocks a caller past its deadline."""
+
+    def __init__(self, settings: PoolSettings, *, lookup_only: bool = False, exists_timeout_s: float = 1.0,
+                 transfer_timeout_s: float = 5.0, close_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if 0 < settings.segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"kv pool segment_bytes={settings.segment_bytes}: Mooncake needs 0 (contribute "
+                             f"nothing) or at least {MIN_SEGMENT_BYTES} (16 MiB)")
+        self.settings = settings
+        self._segment_bytes = 0 if lookup_only else settings.segment_bytes
+        self._exists_timeout_s = exists_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._close_timeout_s = close_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-pool")
+        self._client: _Client | None = None
+        self._connecting: cf.Future | None = None
+        self._last_attempt_s: float | None = None
+        self._buffers: list[tuple[int, int]] = []  # registered again on a replacement client
+        self._overdue = 0  # calls past their deadline that are still running
+        self._closed = False
+        self._counts = {"timeouts_total": 0.0, "unavailable_total": 0.0, "reconnects_total": 0.0}
+
+    # -- PoolStore ------------------------------------------------------------------------------
+
+    def register_buffer(self, address: int, nbytes: int) -> None:
+        """Recorded at once; registered with the client now if there is one, else at setup."""
+        with self._lock:
+            if (address, nbytes) not in self._buffers:
+                self._buffers.append((address, nbytes))
+            if self._client is None:
+                return
+        rc = self._call("register_buffer", self._transfer_timeout_s, lambda c: self._register(c, address, nbytes))
+        if rc != 0:
+            raise PoolUnavailable(f"Mooncake register_buffer({address:#x}, {nbytes}) returned {rc}")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._call("batch_is_exist", self._exists_timeout_s, lambda c: c.raw.batch_is_exist(list(keys)))
+        self._check(codes, len(keys), "batch_is_exist", all_negative_is_failure=True)
+        return [code == 1 for code in codes]
+
+    def put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._call("batch_put_from", self._transfer_timeout_s,
+                           lambda c: c.raw.batch_put_from(list(keys), list(addresses), list(sizes)))
+        self._check(codes, len(keys), "batch_put_from")
+        return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]  # -200 (full) and others: refused
+
+    def get_into(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        if not keys:
+            return []
+        codes = self._call("batch_get_into", self._transfer_timeout_s,
+                           lambda c: c.raw.batch_get_into(list(keys), list(addresses), list(sizes)))
+        self._check(codes, len(keys), "batch_get_into")
+        return [int(code) for code in codes]
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self._counts)
+            client = self._client
+            out["segment_bytes"] = float(client.segment_bytes if client else 0)
+            out["connected"] = float(client is not None and client.raw.health_check() == 0)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            done = self._retire(client)
+            if done is not None:
+                done.wait(self._close_timeout_s)  # past it, the close finishes in the background
+        self._pool.shutdown(wait=False)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def connect(self, wait_s: float) -> bool:
+        """Start setting up (unless one failed under retry_after_s ago); wait up to `wait_s` for
+        it. Calls do this themselves within their deadline; this is for a warm-up."""
+        future = self._start_connect()
+        if future is None:
+            return False
+        try:
+            future.result(wait_s)
+            return True
+        except Exception:  # noqa: BLE001 - failures are logged by the setup thread
+            return False
+
+    def want_segment(self) -> None:
+        """Contribute `settings.segment_bytes` (a lookup-only client mounts it on its next call)."""
+        with self._lock:
+            self._segment_bytes = self.settings.segment_bytes
+
+    def reconnect(self) -> None:
+        """Replace the client with a new one (set up in the background; buffers registered again)."""
+        with self._lock:
+            client, self._client = self._client, None
+            self._last_attempt_s = None
+            self._counts["reconnects_total"] += 1
+        if client is not None:
+            self._retire(client)
+        self._start_connect()
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def _call(self, what: str, timeout_s: float, fn: Callable[[_Client], Any]) -> Any:
+        deadline_s = self._clock() + timeout_s
+        client = self._acquire(what, deadline_s)
+        try:
+            future = self._pool.submit(fn, client)
+        except RuntimeError:  # closed since _acquire
+            self._release(client)
+            self._unavailable("the Mooncake pool client is closed")
+        future.add_done_callback(lambda _: self._release(client))
+        try:
+            return future.result(max(0.0, deadline_s - self._clock()))
+        except cf.TimeoutError:
+            with self._lock:
+                self._counts["timeouts_total"] += 1
+                self._overdue += 1
+            future.add_done_callback(lambda _: self._finish_overdue())
+            self._unavailable(f"Mooncake {what} took over {timeout_s:g} s")
+
+    def _acquire(self, what: str, deadline_s: float) -> _Client:
+        """The client a call may run on now (its in-flight count taken), or PoolUnavailable."""
+        master = self.settings.master_address
+        while True:
+            with self._lock:
+                if self._closed:
+                    self._unavailable("the Mooncake pool client is closed", locked=True)
+                if self._overdue:
+                    self._unavailable(f"a Mooncake call is overdue; {what} skipped", locked=True)
+                client = self._client
+                if client is not None and self._reachable(client):
+                    client.inflight += 1
+                    if client.segment_bytes < self._segment_bytes and not client.mount_tried:
+                        client.mount_tried = True
+                        client.inflight += 1
+                        self._pool.submit(self._mount, client, self._segment_bytes)
+                    return client
+            if client is not None:
+                self._unavailable(f"Mooncake master {master} unreachable")
+            connecting = self._start_connect()
+            if connecting is None:
+                self._unavailable(f"not connected to Mooncake master {master} (retrying later)")
+            try:
+                connecting.result(max(0.0, deadline_s - self._clock()))
+            except cf.TimeoutError:
+                self._unavailable(f"still connecting to Mooncake master {master}")
+            except PoolUnavailable:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed setup of any kind means "unavailable"
+                self._unavailable(f"connecting to Mooncake master {master} failed: {exc}")
+
+    def _reachable(self, client: _Client) -> bool:
+        """False while the client's ping thread finds the master unreachable (called locked).
+        Unreachable for `retry_after_s` while the master's port answers: replace the client."""
+        if client.raw.health_check() != _MASTER_UNREACHABLE:
+            client.unreachable_since_s = None
+            return True
+        now_s = self._clock()
+        if client.unreachable_since_s is None:
+            client.unreachable_since_s = now_s
+        elif now_s - client.unreachable_since_s >= self.settings.retry_after_s:
+            client.unreachable_since_s = now_s  # checked once per retry_after_s
+            threading.Thread(target=self._replace_if_master_up, args=(client,), daemon=True).start()
+        return False
+
+    def _replace_if_master_up(self, client: _Client) -> None:
+        if self._master_port_open() and self._client is client:
+            logger.warning("Mooncake client still finds master %s unreachable while it accepts "
+                           "connections; re-creating the client", self.settings.master_address)
+            self.reconnect()
+
+    def _release(self, client: _Client) -> None:
+        with self._lock:
+            client.inflight -= 1
+            close_now = client.retired and client.inflight == 0
+        if close_now:
+            threading.Thread(target=self._close_raw, args=(client,), daemon=True).start()
+
+    def _finish_overdue(self) -> None:
+        with self._lock:
+            self._overdue -= 1
+
+    def _register(self, client: _Client, address: int, nbytes: int) -> int:
+        with self._lock:
+            if (address, nbytes) in client.registered:
+                return 0
+            client.registered.add((address, nbytes))
+        rc = client.raw.register_buffer(address, nbytes)
+        if rc != 0:
+            with self._lock:
+                client.registered.discard((address, nbytes))
+        return rc
+
+    def _mount(self, client: _Client, segment_bytes: int) -> None:
+        try:
+            result = client.raw.allocate_and_mount_segment(segment_bytes, self.settings.protocol)
+            if result.get("ret") == 0:
+                client.segment_bytes = segment_bytes
+            else:
+                logger.warning("Mooncake allocate_and_mount_segment(%d) failed: %s", segment_bytes, result)
+        except Exception:  # noqa: BLE001 - the client still serves lookups without a segment
+            logger.warning("Mooncake allocate_and_mount_segment(%d) failed", segment_bytes, exc_info=True)
+        finally:
+            self._release(client)
+
+    # -- setup and close --------------------------------------------------------------------------
+
+    def _start_connect(self) -> cf.Future | None:
+        """The setup under way (or done), or None when the last one failed under retry_after_s ago."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._client is not None:
+                done: cf.Future = cf.Future()
+                done.set_result(self._client)
+                return done
+            if self._connecting is not None:
+                return self._connecting
+            now_s = self._clock()
+            if self._last_attempt_s is not None and now_s - self._last_attempt_s < self.settings.retry_after_s:
+                return None
+            self._last_attempt_s = now_s
+            self._connecting = future = cf.Future()
+        # Its own thread: setup() can block for ~90 s and must not hold a pool worker.
+        threading.Thread(target=self._connect, args=(future,), daemon=True, name="mooncake-setup").start()
+        return future
+
+    def _connect(self, future: cf.Future) -> None:
+        try:
+            client = self._setup()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
+            with self._lock:
+                self._connecting = None
+            logger.warning("Mooncake pool unavailable: %s", exc)
+            future.set_exception(exc)
+            return
+        with self._lock:
+            self._connecting = None
+            closed = self._closed
+            if not closed:
+                self._client = client
+                client.inflight += 1  # held while buffers recorded during setup are registered
+            late = list(self._buffers)
+        if closed:
+            self._retire(client)
+            future.set_exception(PoolUnavailable("the Mooncake pool client is closed"))
+            return
+        for address, nbytes in late:
+            if self._register(client, address, nbytes) != 0:
+                logger.warning("Mooncake register_buffer(%#x, %d) failed on a new client", address, nbytes)
+        self._release(client)
+        future.set_result(client)
+
+    def _setup(self) -> _Client:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise PoolUnavailable("the KV pool needs Mooncake Store: pip install "
+                                  "mooncake-transfer-engine (-non-cuda on CPU machines)") from exc
+        s = self.settings
+        if not self._master_port_open():  # setup() against no master blocks ~90 s
+            raise PoolUnavailable(f"Mooncake master {s.master_address} does not accept connections")
+        with self._lock:
+            segment_bytes = self._segment_bytes
+            buffers = list(self._buffers)
+        raw = MooncakeDistributedStore()
+        rc = raw.setup(s.local_hostname, s.metadata_url, segment_bytes, s.local_buffer_bytes, s.protocol,
+                       s.device_name, s.master_address)
+        if rc != 0:
+            raise PoolUnavailable(f"Mooncake setup against {s.master_address} returned {rc}")
+        client = _Client(raw, segment_bytes)
+        for address, nbytes in buffers:
+            rc = self._register(client, address, nbytes)
+            if rc != 0:
+                self._retire(client)
+                raise PoolUnavailable(f"Mooncake register_buffer({address:#x}, {nbytes}) returned {rc}")
+        return client
+
+    def _retire(self, client: _Client) -> threading.Event | None:
+        """Close the client once no call runs on it (Event: set when closed, None: closed later)."""
+        with self._lock:
+            client.retired = True
+            if client.inflight:
+                return None
+        done = threading.Event()
+        threading.Thread(target=self._close_raw, args=(client, done), daemon=True, name="mooncake-close").start()
+        return done
+
+    @staticmethod
+    def _close_raw(client: _Client, done: threading.Event | None = None) -> None:
+        try:
+            client.raw.close()  # 2 s; 15 s with the master gone
+        except Exception:  # noqa: BLE001 - leaving the pool is best effort
+            logger.warning("closing a Mooncake client failed", exc_info=True)
+        if done is not None:
+            done.set()
+
+    def _master_port_open(self, timeout_s: float = 0.5) -> bool:
+        host, _, port = self.settings.master_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout_s).close()
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _check(self, codes: Sequence[int], expected: int, what: str, all_negative_is_failure: bool = False) -> None:
+        if len(codes) != expected:
+            self._unavailable(f"Mooncake {what} answered {len(codes)} results for {expected} keys")
+        if any(_rpc_failure(code) for code in codes) or (all_negative_is_failure and all(c < 0 for c in codes)):
+            self._unavailable(f"Mooncake {what} failed: codes {sorted(set(int(c) for c in codes))}")
+
+    def _unavailable(self, message: str, locked: bool = False) -> None:
+        if locked:
+            self._counts["unavailable_total"] += 1
+        else:
+            with self._lock:
+                self._counts["unavailable_total"] += 1
+        raise PoolUnavailable(message)
+
+
+_SHARED: dict[tuple[str, str], MooncakePoolStore] = {}
+_SHARED_PID = os.getpid()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_store(settings: PoolSettings, lookup_only: bool = False) -> MooncakePoolStore:
+    """The process's client for (master_address, key_prefix), created on first use.
+
+    vLLM on CPU runs scheduler and worker in one process, on GPU often not: both ask here, and
+    a process holds one client (one segment). `lookup_only` (the scheduler) contributes no
+    segment; a later caller without it (the worker) makes the shared client mount one.
+    Clients of a parent process are not reused after fork (their threads did not survive).
+    """
+    global _SHARED_PID
+    key = (settings.master_address, settings.key_prefix)
+    with _SHARED_LOCK:
+        if _SHARED_PID != os.getpid():
+            _SHARED.clear()
+            _SHARED_PID = os.getpid()
+        store = _SHARED.get(key)
+        if store is None or store.closed:
+            store = _SHARED[key] = MooncakePoolStore(settings, lookup_only=lookup_only)
+        elif not lookup_only:
+            store.want_segment()
+        return store

@@ -1,0 +1,74 @@
+"""The KV pool's store interface: what the connector needs from a cluster-wide object store.
+
+One adapter implements it per store (Mooncake Store: `kv_transfer.pool.mooncake_store`); unit
+tests use an in-memory fake with the same interface. The connector only ever moves whole,
+immutable objects (one KV block of every layer, with a verified header: `pool.objects`), so
+the interface is batch exists / put / get on registered memory and nothing else.
+
+Every method may raise `PoolUnavailable` (master unreachable, client not set up, a timeout):
+callers then serve without the pool (recompute) and count it. A missing key is not an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, Sequence
+
+from kv_transfer.errors import KVTransferError
+
+
+class PoolUnavailable(KVTransferError):
+    """The pool could not answer (down, unreachable, slow); serve without it."""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Where the pool is and what this engine contributes (kv_connector_extra_config["pool"])."""
+
+    backend: str = "mooncake"
+    master_address: str = ""  # "host:port" of the store's master (its RPC port)
+    metadata_url: str = ""  # Mooncake's HTTP metadata server, e.g. http://host:port/metadata
+    local_hostname: str = "127.0.0.1"  # the address peers reach this client's segment at
+    protocol: str = "tcp"  # tcp on CPU; rdma on GPU clusters
+    device_name: str = ""  # RDMA device(s), "" for tcp
+    segment_bytes: int = 256 << 20  # memory this engine contributes to the pool
+    local_buffer_bytes: int = 64 << 20  # the client's transfer buffer
+    key_prefix: str = "moe"  # namespace: application name, so two apps never share objects
+    failure_policy: str = "recompute"  # on a failed pool load: recompute | fail
+    retry_after_s: float = 10.0  # after the pool failed, skip it this long before trying again
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "PoolSettings | None":
+        if not data:
+            return None
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown kv pool settings {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**data)
+
+
+class PoolStore(Protocol):
+    """A cluster-wide object store. Thread-safe. Addresses are in registered memory."""
+
+    def register_buffer(self, address: int, nbytes: int) -> None:
+        """Make [address, address+nbytes) usable by put_from/get_into (once, at start)."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys hold a complete object now."""
+
+    def put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        """Store each object (immutable: a key that already exists counts as stored, unchanged).
+        Returns per key whether the pool now holds it (False: full, refused)."""
+
+    def get_into(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Read each object into its buffer: bytes read per key, or a negative number when the
+        key is missing or the read failed (the caller recomputes that block and the rest)."""
+
+    def stats(self) -> dict[str, float]:
+        """Capacity figures when the store knows them (e.g. segment_bytes); may be empty."""
+
+    def close(self) -> None:
+        """Leave the pool (this client's segment goes away with it)."""

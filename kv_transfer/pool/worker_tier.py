@@ -1,0 +1,226 @@
+"""The pool, seen from vLLM's worker: move whole blocks between the KV cache and the pool.
+
+A block travels as one object (`objects`): a 64-byte header, then the block's page of every
+layer, gathered into a registered staging buffer for a put and scattered from it after a get.
+The staging copy costs one memcpy of the block on each side; what it buys is that nothing
+reaches the KV cache before its header and checksum are verified, and that the pool never
+sees memory vLLM may reuse. Loads and stores have a staging buffer each, so a long store
+never delays a load.
+
+Failures: `PoolUnavailable` from the store, `CorruptObject` from verification, a missing
+object: a load raises (the connector reports the request's load failed and vLLM recomputes
+under the manifest's failure policy); a store gives up quietly (counted): the pool is a cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.pool.health import PoolHealth
+from kv_transfer.pool.keys import KeySpace
+from kv_transfer.pool.objects import HEADER_BYTES, BlockLayout, encode_header, payload_checksum, verify
+from kv_transfer.pool.records import LookupTally, PoolBlock
+from kv_transfer.pool.store import PoolStore, PoolUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class PoolLoadFailed(KVTransferError):
+    """A block the lookup found could not be read from the pool (evicted, failed, corrupt)."""
+
+
+@dataclass
+class PoolCounts:
+    lookups_total: int = 0
+    lookup_blocks_total: int = 0
+    lookup_hit_blocks_total: int = 0
+    lookup_failures_total: int = 0
+    loads_total: int = 0
+    load_failures_total: int = 0
+    corrupt_objects_total: int = 0
+    blocks_loaded_total: int = 0
+    bytes_loaded_total: int = 0
+    load_seconds_total: float = 0.0
+    stores_total: int = 0
+    store_failures_total: int = 0
+    blocks_stored_total: int = 0
+    blocks_already_pooled_total: int = 0
+    blocks_refused_total: int = 0  # the pool was full (or refused the put)
+    bytes_stored_total: int = 0
+    store_seconds_total: float = 0.0
+    up: int = 1
+
+
+class PoolWorker:
+    def __init__(self, store: Callable[[], PoolStore], keys: KeySpace, tp_rank: int, health: PoolHealth,
+                 staging_bytes: int, clock: Callable[[], float] = time.monotonic):
+        self._store_factory = store
+        self._keys = keys
+        self._rank = tp_rank
+        self._health = health
+        self._clock = clock
+        self._staging_bytes = staging_bytes
+        self._lock = threading.Lock()  # counters
+        self._counts = PoolCounts()
+        self._pages = None
+        self._layout: BlockLayout | None = None
+        self._staging: dict[str, tuple[np.ndarray, threading.Lock]] = {}
+        self._registered_with: PoolStore | None = None
+
+    def attach(self, pages) -> None:
+        """Called once the KV cache exists (register_kv_caches)."""
+        self._pages = pages
+        self._layout = BlockLayout(pages.num_layers, pages.page_bytes)
+        blocks = max(1, self._staging_bytes // self._layout.object_bytes)
+        for purpose in ("load", "store"):
+            self._staging[purpose] = (np.zeros(blocks * self._layout.object_bytes, np.uint8), threading.Lock())
+
+    @property
+    def layout(self) -> BlockLayout | None:
+        return self._layout
+
+    # -- loads ----------------------------------------------------------------------------------
+
+    def load(self, blocks: Sequence[PoolBlock]) -> int:
+        """Read every block into the KV cache, verified; bytes loaded. Raises on any failure."""
+        started = time.perf_counter()
+        nbytes = 0
+        try:
+            store = self._usable_store()
+            with self._staging_for("load") as (buffer, per_chunk):
+                for start in range(0, len(blocks), per_chunk):
+                    nbytes += self._load_chunk(store, blocks[start:start + per_chunk], buffer)
+        except PoolUnavailable as exc:
+            self._down(exc)
+            self._count(load_failures_total=1)
+            raise
+        except KVTransferError:
+            self._count(load_failures_total=1)
+            raise
+        self._health.succeeded()
+        self._count(loads_total=1, blocks_loaded_total=len(blocks), bytes_loaded_total=nbytes,
+                    load_seconds_total=time.perf_counter() - started)
+        return nbytes
+
+    def _load_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray) -> int:
+        size = self._layout.object_bytes
+        keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
+        base = buffer.ctypes.data
+        got = store.get_into(keys, [base + i * size for i in range(len(chunk))], [size] * len(chunk))
+        view = memoryview(buffer)
+        for i, (block, key, read) in enumerate(zip(chunk, keys, got)):
+            if read != size:
+                raise PoolLoadFailed(f"pool object {key} missing or unreadable (read {read} of {size} B)")
+            try:
+                payload = verify(view[i * size:(i + 1) * size], key, block.token_digest, self._layout)
+            except KVTransferError:
+                self._count(corrupt_objects_total=1)
+                raise
+            self._scatter(payload, block.block_id)
+        return len(chunk) * self._layout.payload_bytes
+
+    # -- stores ---------------------------------------------------------------------------------
+
+    def store(self, blocks: Sequence[PoolBlock]) -> int:
+        """Write the blocks the pool does not hold yet; blocks stored. Never raises."""
+        if not blocks or not self._health.usable(self._clock()):
+            return 0
+        started = time.perf_counter()
+        stored = 0
+        try:
+            store = self._usable_store()
+            with self._staging_for("store") as (buffer, per_chunk):
+                for start in range(0, len(blocks), per_chunk):
+                    stored += self._store_chunk(store, blocks[start:start + per_chunk], buffer)
+        except PoolUnavailable as exc:
+            self._down(exc)
+            self._count(store_failures_total=1)
+            return stored
+        self._health.succeeded()
+        self._count(stores_total=1, store_seconds_total=time.perf_counter() - started)
+        return stored
+
+    def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray) -> int:
+        keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
+        present = store.exists(keys)
+        todo = [(i, b, k) for i, (b, k, p) in enumerate(zip(chunk, keys, present)) if not p]
+        self._count(blocks_already_pooled_total=len(chunk) - len(todo))
+        if not todo:
+            return 0
+        size = self._layout.object_bytes
+        view = memoryview(buffer)
+        base = buffer.ctypes.data
+        for slot, (_, block, key) in enumerate(todo):
+            obj = view[slot * size:(slot + 1) * size]
+            payload = obj[HEADER_BYTES:]
+            self._gather(block.block_id, payload)
+            obj[:HEADER_BYTES] = encode_header(key, block.token_digest, self._layout, payload_checksum(payload))
+        ok = store.put_from([k for _, _, k in todo], [base + slot * size for slot in range(len(todo))],
+                            [size] * len(todo))
+        stored = sum(1 for flag in ok if flag)
+        self._count(blocks_stored_total=stored, blocks_refused_total=len(todo) - stored,
+                    bytes_stored_total=stored * self._layout.payload_bytes)
+        return stored
+
+    # -- counters -------------------------------------------------------------------------------
+
+    def add_lookups(self, tally: LookupTally) -> None:
+        if tally.lookups or tally.failures:
+            self._count(lookups_total=tally.lookups, lookup_blocks_total=tally.blocks_queried,
+                        lookup_hit_blocks_total=tally.blocks_hit, lookup_failures_total=tally.failures)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            counts = asdict(self._counts)
+        counts["up"] = int(self._health.up)
+        return {f"pool_{name}": value for name, value in counts.items()}
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _usable_store(self) -> PoolStore:
+        if self._layout is None:
+            raise PoolUnavailable("the KV cache is not registered yet")
+        store = self._store_factory()
+        if store is not self._registered_with:  # a new client (first use, or after a reconnect)
+            for buffer, _ in self._staging.values():
+                store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+            self._registered_with = store
+        return store
+
+    @contextlib.contextmanager
+    def _staging_for(self, purpose: str):
+        """This purpose's staging buffer (held exclusively) and how many objects fit in it."""
+        buffer, lock = self._staging[purpose]
+        with lock:
+            yield buffer, buffer.nbytes // self._layout.object_bytes
+
+    def _gather(self, block_id: int, payload: memoryview) -> None:
+        offset = 0
+        for segment in self._pages.pages([block_id]):
+            payload[offset:offset + segment.nbytes] = segment
+            offset += segment.nbytes
+
+    def _scatter(self, payload: memoryview, block_id: int) -> None:
+        offset = 0
+        for segment in self._pages.pages([block_id]):
+            segment[:] = payload[offset:offset + segment.nbytes]
+            offset += segment.nbytes
+
+    def _down(self, exc: Exception) -> None:
+        first = self._health.up
+        self._health.failed(self._clock(), str(exc))
+        if first:
+            logger.warning("kv pool: %s; serving without the pool for %.0f s", exc, self._health.retry_after_s)
+
+    def _count(self, **deltas) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self._counts, name, getattr(self._counts, name) + value)

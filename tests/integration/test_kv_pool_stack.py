@@ -1,0 +1,213 @@
+"""The cluster-wide KV pool on the real stack: a real Mooncake master (started by `deploy`),
+real vLLM engines with our connector's pool tier, real HTTP.
+
+A second application beside the session's default one (which runs without a pool and is the
+reference for prompts outside the fixed prompt set): P/D with one prefill and one decode
+engine, vLLM's own prefix cache off on both, so every reused block provably came from the
+pool. Then the same application colocated, for the colocated path and the pool's failures.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import DEFAULT_MANIFEST, TEST_HTTP_PORT
+from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("mooncake.store")
+
+APP = "pool-test"
+BLOCK = 128  # vLLM's CPU default block size
+
+
+def _log(message: str) -> None:
+    print(f"[kv pool] {message}", file=sys.stderr, flush=True)
+
+
+def _manifest(colocated: bool) -> dict:
+    data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    data["name"] = APP
+    data["http"]["port"] = TEST_HTTP_PORT
+    data["http"]["route_prefix"] = f"/{APP}"
+    data["kv_pool"] = {"enabled": True, "segment_mib": 64, "local_buffer_mib": 16}
+    prefill, decode = data["pools"]
+    decode.pop("expert_parallel")  # one decode engine: the session's app holds the other cores
+    for pool in (prefill, decode):
+        pool["engine"]["enable_prefix_caching"] = False  # every reused block comes from the pool
+    if colocated:
+        data["pools"] = [{**decode, "name": "engine", "role": "colocated"}]
+    return data
+
+
+class PoolApp:
+    def __init__(self, stack):
+        self.stack = stack
+        self.base_url = f"http://127.0.0.1:{TEST_HTTP_PORT}/{APP}"
+        self.pools: tuple[str, ...] = ()
+
+    def deploy(self, colocated: bool) -> None:
+        from cluster.manifest import parse_manifest
+        from cluster.serve_control import deploy
+
+        started = time.monotonic()
+        deploy(parse_manifest(_manifest(colocated), "kv pool test manifest"), progress=_log)
+        self.pools = ("engine",) if colocated else ("prefill", "decode")
+        _log(f"{APP} ({'colocated' if colocated else 'P/D'}) up in {time.monotonic() - started:.0f}s")
+
+    def pool_counters(self, pool: str) -> dict:
+        from ray import serve
+
+        stats = serve.get_deployment_handle(pool, app_name=APP).stats.remote().result(timeout_s=30)
+        return {k: v for k, v in stats.kv_transfer.items() if k.startswith("pool_") or k.startswith("pull")}
+
+    def settled(self, timeout_s: float = 20.0) -> dict[str, dict]:
+        """Counters of every pool once no store or pull is in flight (two equal reads)."""
+        deadline = time.monotonic() + timeout_s
+        previous = None
+        while True:
+            current = {pool: self.pool_counters(pool) for pool in self.pools}
+            if current == previous or time.monotonic() > deadline:
+                return current
+            previous = current
+            time.sleep(0.5)
+
+    def complete(self, prompt, base_url: str | None = None) -> dict:
+        response = httpx.post(f"{base_url or self.base_url}/v1/completions", timeout=180, json={
+            "model": self.stack.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def chat(self, messages) -> list[int]:
+        response = httpx.post(f"{self.base_url}/v1/chat/completions", timeout=180, json={
+            "model": self.stack.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def pool_app(stack):
+    from ray import serve
+
+    from cluster.kv_pool_service import stop_pool
+
+    app = PoolApp(stack)
+    app.deploy(colocated=False)
+    try:
+        yield app
+    finally:
+        serve.delete(APP)
+        stop_pool(APP)
+
+
+def _delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def _full_blocks(tokens: int) -> int:
+    return tokens // BLOCK
+
+
+def test_pd_outputs_with_pool_hits_are_token_identical(pool_app, reference_outputs):
+    names = ("short", "question", "long")
+    for name in names:  # first round: computed, then stored by prefill and decode
+        body = pool_app.complete(COMPLETION_PROMPTS[name])
+        assert body["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"], name
+    for name, messages in CHAT_CONVERSATIONS.items():
+        assert pool_app.chat(messages) == reference_outputs[name]["token_ids"], name
+    before = pool_app.settled()
+    assert before["prefill"]["pool_blocks_stored_total"] > 0 and before["prefill"]["pool_up"] == 1
+
+    for name in names:  # second round: every full prompt block from the pool, on both sides
+        body = pool_app.complete(COMPLETION_PROMPTS[name])
+        assert body["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"], name
+    for name, messages in CHAT_CONVERSATIONS.items():
+        assert pool_app.chat(messages) == reference_outputs[name]["token_ids"], name
+    after = pool_app.settled()
+
+    prompts = [len(reference_outputs[n]["prompt_token_ids"]) for n in (*names, *CHAT_CONVERSATIONS)]
+    full = sum(_full_blocks(n) for n in prompts)
+    assert full >= 9  # the long prompt alone has 9 full blocks
+    p, d = after["prefill"], after["decode"]
+    bp, bd = before["prefill"], before["decode"]
+    # Prefill computed only each prompt's partial last block: the rest was loaded from the pool.
+    assert _delta(p, bp, "pool_lookup_hit_blocks_total") == full
+    assert _delta(p, bp, "pool_blocks_loaded_total") == full
+    # Decode took the same prefix from the pool and only the remainder from prefill's lease.
+    assert _delta(d, bd, "pool_blocks_loaded_total") == full
+    pulled = _delta(d, bd, "pulls_succeeded_total")
+    assert pulled == sum(1 for n in prompts if n % BLOCK)  # prompts with a partial last block
+    assert _delta(p, bp, "pool_load_failures_total") == 0 and _delta(d, bd, "pool_load_failures_total") == 0
+    # Nothing new to store: the pool already held every block the second round computed fully.
+    assert _delta(p, bp, "pool_blocks_stored_total") == 0
+
+
+def test_multi_turn_history_comes_from_the_pool(pool_app, stack):
+    """Each turn's prompt is the previous prompt, its answer and a new message (token ids, as a
+    chat front end would send them): prefill must find the whole history in the pool, the
+    answers included, which only decode computed and stored."""
+    prompt = pool_app.complete(COMPLETION_PROMPTS["long"])["prompt_token_ids"]
+    follow_up = pool_app.complete(" And then, what happened next in the story of the old lighthouse keeper?")
+    new_message = follow_up["prompt_token_ids"]
+    history_blocks, hit_blocks = 0, 0
+    for turn in range(3):
+        before = pool_app.settled()
+        ours = pool_app.complete(prompt)
+        plain = pool_app.complete(prompt, base_url=stack.base_url)  # the session's app: no pool
+        assert ours["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"], f"turn {turn + 1}"
+        after = pool_app.settled()
+        if turn:
+            hit_blocks += _delta(after["prefill"], before["prefill"], "pool_lookup_hit_blocks_total")
+        answer = ours["choices"][0]["token_ids"]
+        # What decode computed and stored: prompt and answer but its last token (never fed back).
+        history_blocks += _full_blocks(len(prompt) + len(answer) - 1) if turn < 2 else 0
+        prompt = prompt + answer + new_message
+        assert len(prompt) + MAX_TOKENS < stack.max_model_len
+    _log(f"turns 2-3: {hit_blocks} of {history_blocks} history blocks from the pool")
+    assert history_blocks > 0 and hit_blocks >= math.ceil(0.9 * history_blocks)
+
+
+def test_colocated_engine_reuses_the_pool_and_survives_the_master_dying(pool_app, reference_outputs):
+    """Colocated: a prompt stored by the engine's first request is loaded by its second (the
+    engine's own prefix cache is off); with the master killed every request still succeeds
+    with the same output (fallback counted), and after the master is back hits resume. (The
+    P/D engines' objects left with them: engines contribute the pool's memory.)"""
+    from cluster.kv_pool_service import kill_master
+
+    pool_app.deploy(colocated=True)
+    name = "long"
+    expected = reference_outputs[name]["token_ids"]
+    full = _full_blocks(len(reference_outputs[name]["prompt_token_ids"]))
+    before = pool_app.settled()["engine"]
+    for _ in range(2):
+        assert pool_app.complete(COMPLETION_PROMPTS[name])["choices"][0]["token_ids"] == expected
+    after = pool_app.settled()["engine"]
+    assert _delta(after, before, "pool_blocks_loaded_total") == full
+
+    kill_master(APP)
+    for round_ in range(3):
+        body = pool_app.complete(COMPLETION_PROMPTS[name])
+        assert body["choices"][0]["token_ids"] == expected, f"round {round_} with the master down"
+    down = pool_app.settled()["engine"]
+    assert down["pool_lookup_failures_total"] + down["pool_load_failures_total"] > \
+        after["pool_lookup_failures_total"] + after["pool_load_failures_total"]
+
+    # The supervisor restarts the master (empty); the engine retries after retry_after_s,
+    # stores the prompt again, and the next request hits.
+    deadline = time.monotonic() + 90
+    while True:
+        assert pool_app.complete(COMPLETION_PROMPTS[name])["choices"][0]["token_ids"] == expected
+        now = pool_app.settled()["engine"]
+        if _delta(now, down, "pool_blocks_loaded_total") >= full:
+            break
+        assert time.monotonic() < deadline, f"no pool hits after the master restarted: {now}"
+        time.sleep(3)
+    assert now["pool_up"] == 1
