@@ -3,8 +3,8 @@
     .venv/bin/python -m benchmarks.bench_kv_pool --rounds 2
 
 Two applications of the default manifest (P/D, 2-rank expert-parallel decode) run at once on
-one local cluster: `pool-off` exactly as the default manifest is (prefill's own prefix cache,
-decode's off), and `pool-on` with the KV pool. Rounds alternate between them (off, on, off,
+one local cluster: `pool-off` is the default manifest without its KV pool (prefill's own
+prefix cache, decode's off: what each engine keeps in its own memory), `pool-on` with it. Rounds alternate between them (off, on, off,
 on, ...), so both see the same machine. The trace: conversations that share one system prompt,
 each turn sending the whole history (system prompt, earlier messages and the model's answers,
 as token ids, as a chat front end does) plus a new user message, with think time between

@@ -51,6 +51,8 @@ class MoeServeConnector(KVConnectorBase_V1):
             from kv_transfer.releaser import BackgroundReleaser
 
             pool = pool_settings and engine_wiring.scheduler_tier(pool_settings, vllm_config, kv_cache_config)
+            if pool:
+                pool.warm_up(engine_wiring.WARM_UP_S)
             self._releaser = BackgroundReleaser(self._settings.transfer_timeout_s)
             self._scheduler = SchedulerSide(self._settings, vllm_config.cache_config.block_size,
                                             release_now=self._releaser.submit, pool=pool)

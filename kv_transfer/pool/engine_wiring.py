@@ -15,6 +15,8 @@ from kv_transfer.pool.health import PoolHealth
 from kv_transfer.pool.keys import KeySpace, space_digest
 from kv_transfer.pool.store import PoolSettings
 
+WARM_UP_S = 10.0  # the scheduler's wait to join the pool at engine start
+
 
 def key_space(settings: PoolSettings, vllm_config: Any, kv_cache_config: Any) -> KeySpace:
     from vllm.v1.core.kv_cache_utils import get_none_hash_seed

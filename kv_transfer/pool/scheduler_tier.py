@@ -40,6 +40,12 @@ class PoolScheduler:
         self._loaded: dict[str, tuple[int, int]] = {}  # request id -> (first block, blocks) read from the pool
         self.tally = LookupTally()
 
+    def warm_up(self, wait_s: float) -> None:
+        """Join the pool while the engine starts: a first lookup that found the client still
+        connecting would count as a failure and close the pool for retry_after_s."""
+        if not self._store().connect(wait_s):
+            logger.warning("kv pool: not joined after %.0f s at engine start; lookups will retry", wait_s)
+
     # -- lookup (at admission) -----------------------------------------------------------------
 
     def lookup(self, request: Any, local_tokens: int) -> int:

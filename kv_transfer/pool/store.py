@@ -53,6 +53,10 @@ class PoolSettings:
 class PoolStore(Protocol):
     """A cluster-wide object store. Thread-safe. Addresses are in registered memory."""
 
+    def connect(self, wait_s: float) -> bool:
+        """Start joining the pool now (engine start-up), waiting up to `wait_s`; True if joined.
+        Calls join by themselves too, but only within their own deadline."""
+
     def register_buffer(self, address: int, nbytes: int) -> None:
         """Make [address, address+nbytes) usable by put_from/get_into (once, at start)."""
 

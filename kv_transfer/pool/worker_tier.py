@@ -32,6 +32,8 @@ from kv_transfer.pool.store import PoolStore, PoolUnavailable
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_S = 10.0  # how long an engine's start waits to join the pool (a down pool costs this once)
+
 
 class PoolLoadFailed(KVTransferError):
     """A block the lookup found could not be read from the pool (evicted, failed, corrupt)."""
@@ -82,6 +84,16 @@ class PoolWorker:
         blocks = max(1, self._staging_bytes // self._layout.object_bytes)
         for purpose in ("load", "store"):
             self._staging[purpose] = (np.zeros(blocks * self._layout.object_bytes, np.uint8), threading.Lock())
+        # Join the pool (and mount this engine's segment) while the engine starts, not on the
+        # first request, whose lookup would find the client still connecting.
+        store = self._store_factory()
+        if store.connect(WARM_UP_S):
+            try:
+                self._usable_store()
+            except PoolUnavailable as exc:
+                logger.warning("kv pool: registering staging buffers failed at start (%s); retried on use", exc)
+        else:
+            logger.warning("kv pool: not joined after %.0f s at engine start; serving without it until it is", WARM_UP_S)
 
     @property
     def layout(self) -> BlockLayout | None:

@@ -90,6 +90,10 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
 
     data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
     data["http"]["port"] = TEST_HTTP_PORT
+    # Without the KV pool: the modules on this application count every prompt block over the
+    # wire, and prompts repeat across them. The pool on the default layout is proven in
+    # test_kv_pool_stack.py (its own application beside this one).
+    data["kv_pool"] = {"enabled": False}
     manifest = parse_manifest(data, "test manifest")
     manifest_path = tmp_path_factory.mktemp("manifest") / "local-test.yaml"
     manifest_path.write_text(yaml.safe_dump(data))

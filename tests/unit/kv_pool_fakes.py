@@ -26,6 +26,9 @@ class FakePoolStore:
         if self.down:
             raise PoolUnavailable("fake pool is down")
 
+    def connect(self, wait_s: float) -> bool:
+        return not self.down
+
     def register_buffer(self, address: int, nbytes: int) -> None:
         self._check("register_buffer")
         self.registered.append((address, nbytes))

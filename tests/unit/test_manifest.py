@@ -328,3 +328,20 @@ def test_valid_manifest_written_to_disk_round_trips(tmp_path):
     path = tmp_path / "copy.yaml"
     path.write_text(LOCAL.read_text())
     assert load_manifest(path) == load_manifest(LOCAL)
+
+
+def test_the_default_manifest_uses_the_kv_pool():
+    pool = load_manifest(LOCAL).kv_pool
+    assert pool.enabled and pool.backend == "mooncake" and pool.protocol == "tcp" and pool.segment_mib == 256
+
+
+def test_kv_pool_over_rdma_on_a_cpu_manifest_is_refused_with_the_fix():
+    error = broken(LOCAL, lambda d: d["kv_pool"].update(protocol="rdma"))
+    issue = only_issue(error)
+    assert issue.field == "kv_pool.protocol" and "tcp" in issue.fix
+    assert_reported(error, issue)
+
+
+def test_kv_pool_segment_below_mooncakes_minimum_is_refused():
+    error = broken(LOCAL, lambda d: d["kv_pool"].update(segment_mib=8))
+    assert "kv_pool.segment_mib" in str(error)

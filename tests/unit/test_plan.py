@@ -306,3 +306,16 @@ def test_bad_expert_parallel_settings_name_the_field_and_the_fix(change, field, 
     issue = next(i for i in caught.value.issues if i.field.replace("[", ".").replace("]", "") ==
                  field.replace("[", ".").replace("]", ""))
     assert fix in issue.fix
+
+
+def test_plan_shows_the_kv_pool_capacity_in_tokens_of_the_model():
+    manifest = load_manifest(Path(__file__).resolve().parents[2] / "manifests" / "local.yaml")
+    facts = ModelFacts(weight_bytes=1 << 20, num_layers=4, kv_bytes_per_token=2048)
+    plan = make_plan(manifest, facts)
+    # prefill (1 engine) + decode (one group of 2 ranks): 3 engines x 256 MiB, 2,048 B per token
+    assert plan.kv_pool.startswith("mooncake store over tcp")
+    assert f"3 engine(s) x 256 MiB = 0.75 GiB = {3 * 256 * 2**20 // 2048:,} tokens" in plan.kv_pool
+    assert f"kv pool      {plan.kv_pool}" in render_plan(plan)
+    off = parse_manifest({**yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "local.yaml")
+                                          .read_text()), "kv_pool": {"enabled": False}})
+    assert make_plan(off, facts).kv_pool is None
