@@ -135,7 +135,7 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--think-s", type=float, default=2.0)
     parser.add_argument("--stagger-s", type=float, default=1.0, help="between conversation starts")
-    parser.add_argument("--engine-kv-gib", type=float, default=0.5)
+    parser.add_argument("--engine-kv-gib", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "kv_pool.json"))
     args = parser.parse_args()
 

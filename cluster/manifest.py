@@ -74,8 +74,9 @@ class EngineSpec(_Strict):
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=0.98)] = 0.15
     """Fraction of accelerator memory for the engine. On CPU vLLM reads it as a fraction of the
     NUMA node's host memory, so keep it small (0.1-0.2) there."""
-    cpu_kvcache_space_gib: Annotated[float, Field(gt=0.0, le=1024)] = 1.0
-    """CPU only: host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kvcache_space_gib: Annotated[int, Field(ge=1, le=1024)] = 1
+    """CPU only: host memory for the KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE, which vLLM
+    reads as an integer: 0.5 fails the engine's start)."""
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """Ranks per replica for tensor parallelism."""
     block_size: Annotated[int | None, Field(ge=1, le=1024)] = None

@@ -345,3 +345,8 @@ def test_kv_pool_over_rdma_on_a_cpu_manifest_is_refused_with_the_fix():
 def test_kv_pool_segment_below_mooncakes_minimum_is_refused():
     error = broken(LOCAL, lambda d: d["kv_pool"].update(segment_mib=8))
     assert "kv_pool.segment_mib" in str(error)
+
+
+def test_fractional_cpu_kv_cache_is_refused_before_vllm_fails_on_it():
+    error = broken(LOCAL, lambda d: d["pools"][0]["engine"].update(cpu_kvcache_space_gib=0.5))
+    assert "cpu_kvcache_space_gib" in str(error)
