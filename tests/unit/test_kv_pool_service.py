@@ -52,9 +52,12 @@ def test_supervisor_restarts_a_killed_master_on_the_same_ports(tmp_path):
 
 def test_ensure_pool_runs_one_detached_actor_per_app():
     ray = pytest.importorskip("ray")
-    # "local": a fresh cluster of this test's own, never one that is already running here.
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             object_store_memory=80 << 20, logging_level="ERROR")
+    # "local": a fresh cluster of this test's own, never one that is already running here;
+    # in the full suite the integration session's driver is still connected: use its cluster.
+    own_cluster = not ray.is_initialized()
+    if own_cluster:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=80 << 20, logging_level="ERROR")
     first = None
     try:
         first = ensure_pool("unit-app")
@@ -80,6 +83,7 @@ def test_ensure_pool_runs_one_detached_actor_per_app():
         assert stop_pool("unit-app") is False and kill_master("unit-app") is None
     finally:
         stop_pool("unit-app")
-        ray.shutdown()
+        if own_cluster:
+            ray.shutdown()
         if first is not None:
             Path(first["log_path"]).unlink(missing_ok=True)
