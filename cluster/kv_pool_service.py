@@ -225,13 +225,22 @@ def ensure_pool(app_name: str, host: str = "127.0.0.1", rpc_port: int | None = N
     return ray.get(actor.address.remote(), timeout=READY_TIMEOUT_S)
 
 
+def _actor(app_name: str):
+    """The app's pool actor, or None when there is none."""
+    import ray
+
+    try:
+        return ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
 def stop_pool(app_name: str) -> bool:
     """Stop the app's pool master and its actor; False when there was none."""
     import ray
 
-    try:
-        actor = ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
-    except ValueError:
+    actor = _actor(app_name)
+    if actor is None:
         return False
     try:
         ray.get(actor.stop.remote(), timeout=30)
@@ -246,20 +255,16 @@ def kill_master(app_name: str) -> int | None:
     killed, or None when no master was running."""
     import ray
 
-    try:
-        actor = ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
-    except ValueError:
-        return None
-    return ray.get(actor.kill_master.remote(), timeout=30)
+    actor = _actor(app_name)
+    return None if actor is None else ray.get(actor.kill_master.remote(), timeout=30)
 
 
 def _live_actor(app_name: str):
     """The app's actor if it exists and answers, else None (a dead one is killed)."""
     import ray
 
-    try:
-        actor = ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
-    except ValueError:
+    actor = _actor(app_name)
+    if actor is None:
         return None
     try:
         ray.get(actor.address.remote(), timeout=5)

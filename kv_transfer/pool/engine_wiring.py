@@ -37,7 +37,7 @@ def store_factory(settings: PoolSettings, lookup_only: bool = False):
     """The process's store client, created on first use (an engine starts with the pool down).
     The scheduler only looks up: where it runs in its own process it contributes no memory."""
     def store():
-        from kv_transfer.pool.mooncake_store import shared_store
+        from kv_transfer.pool.mooncake_shared import shared_store
 
         return shared_store(settings, lookup_only=lookup_only)
 

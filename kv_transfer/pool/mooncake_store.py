@@ -4,7 +4,7 @@ Measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on loopback, 2
 (a) setup() with global_segment_size=0 works (a lookup-only client, 0.3-0.6 s): it reads and
     writes objects held in other clients' segments; allocate_and_mount_segment() adds a
     segment later (0.05 s for 32 MiB).
-(b) Two clients live side by side in one process (one puts, the other reads it back).
+(b) Two clients live side by side in one process (see `mooncake_shared` for why we keep one).
 (c) Master killed: calls return RPC_FAIL (-900), at once or after 4.3-4.9 s (the client tries
     to reconnect); health_check() turns 2 within seconds of the kill and costs 0.2 us (a flag
     the client's ping thread keeps, no RPC). Master hung (SIGSTOP): health_check() stays 0 and
@@ -13,9 +13,8 @@ Measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on loopback, 2
 (d) Master restarted on the same ports: the existing client reconnects by itself (after 5
     failed pings) and re-mounts its segment; puts return -200 for about a second, then all
     works. Objects are gone (the master keeps them in memory). No re-creation is needed.
-(e) batch_put_from of a key that exists returns 0 and keeps the first object. A full pool
-    returns -200 (NO_AVAILABLE_HANDLE) for the keys that did not fit; eviction above the
-    master's high watermark makes room within a second.
+(e) batch_put_from of an existing key returns 0 and keeps the first object; a full pool returns
+    -200 (NO_AVAILABLE_HANDLE); eviction above the high watermark makes room within a second.
 (f) batch_get_into: -704 (OBJECT_NOT_FOUND) for a missing key, -600 for a too-small buffer.
     batch_is_exist of 64 keys takes 68 us. setup() refuses a segment of 0 < size < 16 MiB (-600).
 
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import socket
 import threading
 import time
@@ -400,30 +398,3 @@ class MooncakePoolStore:
             with self._lock:
                 self._counts["unavailable_total"] += 1
         raise PoolUnavailable(message)
-
-
-_SHARED: dict[tuple[str, str], MooncakePoolStore] = {}
-_SHARED_PID = os.getpid()
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_store(settings: PoolSettings, lookup_only: bool = False) -> MooncakePoolStore:
-    """The process's client for (master_address, key_prefix), created on first use.
-
-    vLLM on CPU runs scheduler and worker in one process, on GPU often not: both ask here, and
-    a process holds one client (one segment). `lookup_only` (the scheduler) contributes no
-    segment; a later caller without it (the worker) makes the shared client mount one.
-    Clients of a parent process are not reused after fork (their threads did not survive).
-    """
-    global _SHARED_PID
-    key = (settings.master_address, settings.key_prefix)
-    with _SHARED_LOCK:
-        if _SHARED_PID != os.getpid():
-            _SHARED.clear()
-            _SHARED_PID = os.getpid()
-        store = _SHARED.get(key)
-        if store is None or store.closed:
-            store = _SHARED[key] = MooncakePoolStore(settings, lookup_only=lookup_only)
-        elif not lookup_only:
-            store.want_segment()
-        return store

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from cluster.kv_pool_service import MasterConfig, free_port, master_binary, port_open  # noqa: E402
-from kv_transfer.pool.mooncake_store import MooncakePoolStore, shared_store  # noqa: E402
+from kv_transfer.pool.mooncake_shared import shared_store  # noqa: E402
+from kv_transfer.pool.mooncake_store import MooncakePoolStore  # noqa: E402
 from kv_transfer.pool.store import PoolSettings, PoolUnavailable  # noqa: E402
 
 OBJ = 256 << 10  # bytes per test object
