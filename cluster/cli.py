@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cluster.errors import ClusterError, ManifestError, ManifestIssue
 from cluster.manifest import Manifest, load_manifest
+from cluster.serve_control import DEFAULT_DEPLOY_TIMEOUT_S
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "manifests" / "local.yaml"
 
@@ -90,7 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             prometheus = LocalPrometheus(port=obs.prometheus_port, rules=rules_for_manifest(manifest),
                                          scrape_interval_s=obs.scrape_interval_s).start(progress=_progress)
         connect(cluster.address)
-        result = deploy(manifest, progress=_progress)
+        result = deploy(manifest, progress=_progress, timeout_s=args.timeout)
         _print_ready(result, manifest)
         if prometheus is not None:
             print(f"prometheus: {prometheus.url}  (alerts: {prometheus.url}/alerts; "
@@ -129,7 +130,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     manifest = _load(args.manifest)
     _check_fit(manifest)
     connect(args.address)
-    result = deploy(manifest, progress=_progress)
+    result = deploy(manifest, progress=_progress, timeout_s=args.timeout)
     _print_ready(result, manifest)
     return 0
 
@@ -187,11 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dashboard-port", type=int, default=8265)
     up.add_argument("--exit-after-ready", action="store_true", help="stop again once serving (smoke test)")
     up.add_argument("--no-prometheus", action="store_true", help="do not start the local Prometheus")
+    up.add_argument("--timeout", type=float, default=DEFAULT_DEPLOY_TIMEOUT_S,
+                    help="seconds to wait for the application to run (default: %(default)s)")
     up.set_defaults(func=cmd_up)
 
     deploy = sub.add_parser("deploy", help="deploy a manifest onto a running Ray cluster")
     deploy.add_argument("manifest")
     deploy.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or auto)")
+    deploy.add_argument("--timeout", type=float, default=DEFAULT_DEPLOY_TIMEOUT_S,
+                        help="seconds to wait for the application to run; on expiry it says what it "
+                             "waits for (default: %(default)s)")
     deploy.set_defaults(func=cmd_deploy)
 
     status = sub.add_parser("status", help="show nodes and applications")

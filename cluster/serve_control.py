@@ -37,8 +37,19 @@ class DeployResult:
     seconds: float
 
 
-def deploy(manifest: Manifest, progress=print) -> DeployResult:
-    """Deploy (or update) the manifest's application on the connected cluster; waits until ready."""
+# Engines load weights before they report ready: seconds for the tiny CPU checkpoints, many
+# minutes for DeepSeek-V3 on a GPU node. Past this, a deploy that is still waiting is almost
+# always waiting for resources no node has, and says so instead of hanging.
+DEFAULT_DEPLOY_TIMEOUT_S = 1800.0
+_POLL_S = 2.0
+
+
+def deploy(manifest: Manifest, progress=print, timeout_s: float = DEFAULT_DEPLOY_TIMEOUT_S) -> DeployResult:
+    """Deploy (or update) the manifest's application on the connected cluster; waits until it
+    is RUNNING, reporting replica states as they change. Raises ClusterError when Serve marks
+    the application failed or it is not running within `timeout_s` (the message carries every
+    deployment's state and Serve's own explanation, e.g. the resources a replica waits for).
+    The application is left in place for inspection; `moe-serve down --app NAME` removes it."""
     from ray import serve
 
     from deployments.builder import build_app
@@ -52,10 +63,43 @@ def deploy(manifest: Manifest, progress=print) -> DeployResult:
     progress(f"deploying application '{manifest.name}': "
              + ", ".join(f"{p.name} x{p.replicas} ({p.role.value}{_bounds(p)})" for p in manifest.pools)
              + " (vLLM engines take ~30-60 s to start on CPU)")
-    serve.run(build_app(manifest, model_path, pool_address), name=manifest.name, route_prefix=manifest.http.route_prefix,
-              blocking=False)
+    serve.run_many([serve.RunTarget(build_app(manifest, model_path, pool_address), name=manifest.name,
+                                    route_prefix=manifest.http.route_prefix)],
+                   wait_for_applications_running=False)
+    wait_until_running(manifest.name, timeout_s, progress)
     url = f"http://{manifest.http.host}:{manifest.http.port}{manifest.http.route_prefix.rstrip('/')}"
     return DeployResult(manifest.name, url, manifest.model.name, time.monotonic() - started)
+
+
+def wait_until_running(app_name: str, timeout_s: float, progress=print) -> None:
+    from ray import serve
+
+    started = time.monotonic()
+    last_report = None
+    while True:
+        app = serve.status().applications.get(app_name)
+        state = _name(app.status) if app else "MISSING"
+        if state == "RUNNING":
+            return
+        elapsed = time.monotonic() - started
+        if state in ("DEPLOY_FAILED", "UNHEALTHY") or elapsed > timeout_s:
+            why = f"did not become RUNNING within {timeout_s:.0f}s" if state not in ("DEPLOY_FAILED", "UNHEALTHY") \
+                else f"is {state}"
+            raise ClusterError(f"application '{app_name}' {why}:\n{status_text()}\n"
+                               f"fix the cause above, then redeploy; `moe-serve down --app {app_name}` removes it")
+        report = _replica_summary(app) if app else state
+        if report != last_report:
+            progress(f"waiting for '{app_name}' ({elapsed:.0f}s): {report}")
+            last_report = report
+        time.sleep(_POLL_S)
+
+
+def _replica_summary(app) -> str:
+    parts = []
+    for name, dep in app.deployments.items():
+        states = ", ".join(f"{_name(s).lower()} {n}" for s, n in dep.replica_states.items() if n)
+        parts.append(f"{name} [{states or 'no replicas yet'}]")
+    return "; ".join(parts)
 
 
 def _start_kv_pool(manifest: Manifest, progress) -> dict:

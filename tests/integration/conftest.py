@@ -26,6 +26,10 @@ TEST_METRICS_BASE = 8190
 TEST_PROMETHEUS_PORT = 9391
 # The test Prometheus's TTFT target is impossibly low, so that its SLO alert must fire.
 IMPOSSIBLE_TTFT_SLO_S = 0.0001
+# A tiny application is up in one to three minutes even on a loaded 2-core machine; past this
+# a deploy is waiting for something that will not come (a node's CPUs or memory), and the
+# test says so instead of sitting out pytest's timeout in every later module.
+TEST_DEPLOY_TIMEOUT_S = 420
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ def submit_deploy(dashboard_url: str, manifest_path: Path) -> None:
     for attempt in range(6):
         job = subprocess.run(
             [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard_url,
-             "--working-dir", str(REPO), "--", "moe-serve", "deploy", str(manifest_path)],
+             "--working-dir", str(REPO), "--", "moe-serve", "deploy", str(manifest_path),
+             "--timeout", str(TEST_DEPLOY_TIMEOUT_S)],
             cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_AUTH_MODE": "token"},
         )
         # A loaded machine can take a while to bring up the job agents after the nodes.
@@ -59,6 +64,33 @@ def submit_deploy(dashboard_url: str, manifest_path: Path) -> None:
         time.sleep(5)
     if job.returncode != 0:
         raise RuntimeError(f"ray job submit failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}")
+
+
+def deploy_test_app(data: dict, label: str, progress=lambda message: None):
+    """Deploy `data` (a manifest dict) on the session's cluster, bounded in time. A deploy that
+    fails is removed again, so that one broken module does not starve the next ones of the
+    CPUs and memory its half-started replicas hold."""
+    from cluster.manifest import parse_manifest
+    from cluster.serve_control import deploy
+
+    manifest = parse_manifest(data, label)
+    try:
+        deploy(manifest, progress=progress, timeout_s=TEST_DEPLOY_TIMEOUT_S)
+    except BaseException:
+        remove_test_app(manifest.name)
+        raise
+    return manifest
+
+
+def remove_test_app(name: str) -> None:
+    from ray import serve
+
+    from cluster.kv_pool_service import stop_pool
+
+    try:
+        serve.delete(name)
+    finally:
+        stop_pool(name)
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, TEST_HTTP_PORT
+from tests.integration.conftest import REPO, TEST_HTTP_PORT, deploy_test_app, remove_test_app
 from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -75,13 +75,10 @@ class ArchStack:
         self.base_url = None
 
     def deploy(self, colocated: bool) -> None:
-        from cluster.manifest import parse_manifest
-        from cluster.serve_control import deploy
-
         data = _manifest_data(self.model, colocated)
-        started = time.monotonic()
-        deploy(parse_manifest(data, f"{self.model} manifest"), progress=lambda m: None)
         self.app = data["name"]
+        started = time.monotonic()
+        deploy_test_app(data, f"{self.model} manifest")
         self.base_url = f"http://127.0.0.1:{TEST_HTTP_PORT}{data['http']['route_prefix']}"
         _log(f"{self.app} ({'colocated EP group' if colocated else 'P/D + EP decode'}) up in "
              f"{time.monotonic() - started:.0f}s")
@@ -101,8 +98,6 @@ class ArchStack:
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def arch(request, stack, tmp_path_factory):
-    from ray import serve
-
     from cluster.checkpoints import resolve_model_path
 
     model = request.param
@@ -116,7 +111,7 @@ def arch(request, stack, tmp_path_factory):
         yield arch_stack
     finally:
         if arch_stack.app:
-            serve.delete(arch_stack.app)
+            remove_test_app(arch_stack.app)
 
 
 def _outputs(arch_stack: ArchStack) -> dict[str, list[int]]:

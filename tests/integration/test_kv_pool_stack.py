@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import DEFAULT_MANIFEST, TEST_HTTP_PORT
+from tests.integration.conftest import DEFAULT_MANIFEST, TEST_HTTP_PORT, deploy_test_app, remove_test_app
 from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -53,11 +53,8 @@ class PoolApp:
         self.pools: tuple[str, ...] = ()
 
     def deploy(self, colocated: bool) -> None:
-        from cluster.manifest import parse_manifest
-        from cluster.serve_control import deploy
-
         started = time.monotonic()
-        deploy(parse_manifest(_manifest(colocated), "kv pool test manifest"), progress=_log)
+        deploy_test_app(_manifest(colocated), "kv pool test manifest", progress=_log)
         self.pools = ("engine",) if colocated else ("prefill", "decode")
         _log(f"{APP} ({'colocated' if colocated else 'P/D'}) up in {time.monotonic() - started:.0f}s")
 
@@ -95,17 +92,12 @@ class PoolApp:
 
 @pytest.fixture(scope="module")
 def pool_app(stack):
-    from ray import serve
-
-    from cluster.kv_pool_service import stop_pool
-
     app = PoolApp(stack)
     app.deploy(colocated=False)
     try:
         yield app
     finally:
-        serve.delete(APP)
-        stop_pool(APP)
+        remove_test_app(APP)
 
 
 def _delta(after: dict, before: dict, key: str) -> float:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.integration.conftest import deploy_test_app
 from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -25,14 +26,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def two_groups(stack):
-    from cluster.manifest import parse_manifest
-    from cluster.serve_control import deploy
-
     data = yaml.safe_load(stack.manifest_path.read_text())
     decode = next(p for p in data["pools"] if p["role"] == "decode")
     decode["replicas"] = 2
-    manifest = parse_manifest(data, "two-groups manifest")
-    deploy(manifest, progress=lambda m: None)
+    manifest = deploy_test_app(data, "two-groups manifest")
     # Not restored afterwards: the modules after this one redeploy from the session manifest.
     return stack, manifest
 

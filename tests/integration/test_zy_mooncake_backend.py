@@ -10,6 +10,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.integration.conftest import deploy_test_app
 from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -20,12 +21,9 @@ CPU_BLOCK_SIZE_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def mooncake_stack(stack):
-    from cluster.manifest import parse_manifest
-    from cluster.serve_control import deploy
-
     data = yaml.safe_load(stack.manifest_path.read_text())
     data["kv_transfer"]["backend"] = "mooncake"
-    deploy(parse_manifest(data, "mooncake manifest"), progress=lambda m: None)
+    deploy_test_app(data, "mooncake manifest")
     return stack
 
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.integration.conftest import deploy_test_app
 from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -16,13 +17,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def fail_policy_stack(stack):
-    from cluster.manifest import parse_manifest
-    from cluster.serve_control import deploy
-
     data = yaml.safe_load(stack.manifest_path.read_text())
     data["kv_transfer"]["failure_policy"] = "fail"
-    manifest = parse_manifest(data, "fail-policy manifest")
-    deploy(manifest, progress=lambda m: None)
+    manifest = deploy_test_app(data, "fail-policy manifest")
     return stack, manifest
 
 

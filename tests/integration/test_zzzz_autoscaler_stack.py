@@ -230,7 +230,10 @@ def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled
 
     decisions = autoscaled.decisions()
     prefill = _changes(decisions, "prefill")
-    assert [(before, after) for _at, before, after in prefill] == [(1, 2), (2, 1)], prefill
+    # On failure, say why each change was made: a flap is only fixable with its reasons.
+    why = [(at, before, after, next(d["reasons"] for d in decisions if d["at_s"] == at))
+           for at, before, after in prefill]
+    assert [(before, after) for _at, before, after in prefill] == [(1, 2), (2, 1)], why
     # Only prefill was short of capacity: decode never moved.
     assert _changes(decisions, "decode") == []
     assert re.search(r"scale out: .*(running|queue|ttft)", out["reasons"]["prefill"]), out["reasons"]["prefill"]
