@@ -108,7 +108,7 @@ class LLMServer:
             asyncio.ensure_future(self.release(dict(result.transfer_params)))
 
     async def _prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
-        from kv_transfer.params import prefill_request_params
+        from kv_transfer.params import is_transfer, prefill_request_params
 
         started = time.monotonic()
         prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
@@ -118,9 +118,10 @@ class LLMServer:
             if isinstance(item, EngineFailure):
                 return item
             final = item
-        if final is None or not final.kv_transfer_params:
+        if final is None or not is_transfer(final.kv_transfer_params):
             return EngineFailure("prefill finished without KV transfer parameters", retriable=True)
-        return PrefillResult(final.kv_transfer_params, final.prompt_tokens, time.monotonic() - started)
+        return PrefillResult(final.kv_transfer_params, final.prompt_tokens, time.monotonic() - started,
+                             final.kv_load.pool_s if final.kv_load else 0.0)
 
     async def release(self, transfer_params: dict) -> None:
         """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_transfer.params import LoadTiming
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
@@ -46,12 +48,13 @@ class TokenDelta:
     completion_tokens: int  # cumulative
     kv_transfer_params: dict | None = None  # prefill: set on the final delta (TransferParams)
     engine_timing: "EngineTiming | None" = None  # on the first delta (when the engine logs stats)
+    kv_load: LoadTiming | None = None  # on the final delta, when the engine loaded KV it did not compute
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by a later one of the same request, as one delta."""
         return TokenDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
                           later.prompt_tokens, later.completion_tokens, later.kv_transfer_params,
-                          self.engine_timing or later.engine_timing)
+                          self.engine_timing or later.engine_timing, later.kv_load or self.kv_load)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class PrefillResult:
     transfer_params: dict  # kv_transfer.params.TransferParams.to_engine()
     prompt_tokens: int
     prefill_s: float
+    pool_load_s: float = 0.0  # of prefill_s: reading prompt blocks from the KV pool
 
 
 @dataclass(frozen=True)

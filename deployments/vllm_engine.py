@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deployments.records import EngineRequest, EngineTiming, SamplingSpec, TokenDelta
+from kv_transfer.params import LoadTiming
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class VLLMEngine:
                 completion_tokens=completion_tokens,
                 kv_transfer_params=output.kv_transfer_params if output.finished else None,
                 engine_timing=engine_timing(output) if first else None,
+                kv_load=LoadTiming.from_engine(output.kv_transfer_params) if output.finished else None,
             )
             first = False
 

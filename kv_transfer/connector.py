@@ -17,10 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from kv_transfer.connector_scheduler import SchedulerSide, StepPlan
 from kv_transfer.pool import engine_wiring
+from kv_transfer.params import LoadTiming
 from kv_transfer.pool.store import PoolSettings
 from kv_transfer.settings import ConnectorSettings
 
@@ -31,12 +33,26 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
 class MoeServeConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan):
         self.plan = plan
+
+
+class MoeServeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: how long the loads that finished took."""
+
+    def __init__(self, load_times: dict[str, LoadTiming]):
+        self.load_times = load_times
+
+    def aggregate(self, other: "MoeServeWorkerMetadata") -> "MoeServeWorkerMetadata":
+        merged = dict(self.load_times)
+        for request_id, timing in other.load_times.items():
+            merged[request_id] = timing if request_id not in merged else merged[request_id].slower(timing)
+        return MoeServeWorkerMetadata(merged)
 
 
 class MoeServeConnector(KVConnectorBase_V1):
@@ -74,6 +90,11 @@ class MoeServeConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return MoeServeConnectorMetadata(self._scheduler.take_plan())
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, MoeServeWorkerMetadata):
+            self._scheduler.record_load_times(meta.load_times)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -101,6 +122,10 @@ class MoeServeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+    def build_connector_worker_meta(self) -> MoeServeWorkerMetadata | None:
+        times = self._worker.take_load_times()
+        return MoeServeWorkerMetadata(times) if times else None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._worker.results()

@@ -18,11 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kv_transfer.params import CONSUME_KEY, PRODUCE_KEY, TransferParams
+from kv_transfer.params import CONSUME_KEY, LOAD_TIMING_KEY, PRODUCE_KEY, LoadTiming, TransferParams
 from kv_transfer.pool.records import LookupTally, PoolBlock, PoolStoreJob
 from kv_transfer.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
+
+_MAX_PENDING_TIMINGS = 10_000
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._release_now = release_now
         self._pool = pool
+        self._load_times: dict[str, LoadTiming] = {}  # reported by the worker, until the request ends
 
     # -- admission: local hit, then pool, then (decode) the prefill's lease ---------------------
 
@@ -122,7 +125,20 @@ class SchedulerSide:
         if store is not None:
             self._plan.pool_stores.append(store)
             delay = True
+        # What the request's loads cost goes back with its output (the ingress's pool_load and
+        # kv_transfer phases); a prefill's transfer parameters carry it to the decode side too.
+        timing = self._load_times.pop(request.request_id, None)
+        if timing is not None:
+            out = {**(out or {}), LOAD_TIMING_KEY: timing.to_engine()}
         return delay, out
+
+    def record_load_times(self, times: dict[str, LoadTiming]) -> None:
+        for request_id, timing in times.items():
+            known = self._load_times.get(request_id)
+            self._load_times[request_id] = timing if known is None else known.slower(timing)
+        # A load that ends after its request was aborted is never collected by `finished`.
+        while len(self._load_times) > _MAX_PENDING_TIMINGS:
+            self._load_times.pop(next(iter(self._load_times)))
 
     def _finished_transfer(self, request: Any, block_ids: list[int], normally: bool) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params

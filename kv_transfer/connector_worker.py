@@ -23,6 +23,7 @@ from kv_transfer.connector_scheduler import LeaseGrant, PullJob, StepPlan
 from kv_transfer.counters import TransferCounters
 from kv_transfer.errors import KVTransferError
 from kv_transfer.leases import LeaseTable
+from kv_transfer.params import LoadTiming
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.transport import get_backend
 
@@ -84,6 +85,7 @@ class WorkerSide:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._load_times: dict[str, LoadTiming] = {}  # finished loads, until the next step reports them
         self._pulls = ThreadPoolExecutor(settings.max_concurrent_pulls, thread_name_prefix="kv-pull")
         self._client = self._backend.client_cls()
         self._server = None
@@ -148,6 +150,12 @@ class WorkerSide:
             self._finished_recving, self._failed_recving = set(), set()
         return out
 
+    def take_load_times(self) -> dict[str, LoadTiming]:
+        """How long each load finished since the last call took (for the scheduler side)."""
+        with self._lock:
+            out, self._load_times = self._load_times, {}
+        return out
+
     def stats(self) -> dict[str, Any]:
         pool = self._pool.snapshot() if self._pool is not None else {}
         return {**self._counters.snapshot(), "leases_outstanding": self._leases.outstanding(),
@@ -208,6 +216,7 @@ class WorkerSide:
                     self._finished_sending.add(job.request_id)
 
     def _pull(self, job: PullJob) -> None:
+        started = time.monotonic()
         if job.pool_blocks:
             try:
                 self._pool.load(job.pool_blocks)
@@ -222,18 +231,21 @@ class WorkerSide:
                     self._release_remote(job.params.remote_host, job.params.remote_port,
                                          job.params.remote_request_id)
                 return
+        pool_s = time.monotonic() - started
         if job.params is None:
             with self._lock:
+                self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks))
                 self._finished_recving.add(job.request_id)
             return
         if not job.local_block_ids:  # the pool held everything the lease did
             with self._lock:
+                self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks))
                 self._finished_recving.add(job.request_id)
             self._release_remote(job.params.remote_host, job.params.remote_port, job.params.remote_request_id)
             return
-        self._pull_remote(job)
+        self._pull_remote(job, pool_s)
 
-    def _pull_remote(self, job: PullJob) -> None:
+    def _pull_remote(self, job: PullJob, pool_s: float = 0.0) -> None:
         params = job.params
         self._counters.pull_started(len(job.local_block_ids))
         started = time.monotonic()
@@ -255,6 +267,8 @@ class WorkerSide:
             logger.warning("kv transfer: pull for %s failed (%s: %s); policy %s", job.request_id,
                            type(exc).__name__, exc, self._settings.failure_policy)
         with self._lock:
+            self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks), time.monotonic() - started,
+                                                          len(job.local_block_ids))
             self._finished_recving.add(job.request_id)
             if failed:
                 self._failed_recving.add(job.request_id)

@@ -11,6 +11,7 @@ from typing import Any
 
 PRODUCE_KEY = "do_remote_decode"  # prefill: keep the blocks and return TransferParams
 CONSUME_KEY = "do_remote_prefill"  # decode: pull the blocks named by the params
+LOAD_TIMING_KEY = "moe_serve_kv_load"  # a finished request's LoadTiming, when it loaded KV
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,37 @@ class TransferParams:
 
     def with_failure_injected(self) -> "TransferParams":
         return TransferParams(**{**asdict(self), "inject_failure": True})
+
+
+@dataclass(frozen=True)
+class LoadTiming:
+    """How long the engine's worker spent loading KV that this request did not compute
+    (worker clock; the request waits for both before its first step)."""
+
+    pool_s: float = 0.0  # read from the KV pool
+    pool_blocks: int = 0
+    pull_s: float = 0.0  # pulled from the prefill's lease
+    pull_blocks: int = 0
+
+    def slower(self, other: "LoadTiming") -> "LoadTiming":
+        """Ranks of one engine (tensor parallel) load their shards side by side: the request
+        waits for the slowest of them."""
+        return LoadTiming(max(self.pool_s, other.pool_s), max(self.pool_blocks, other.pool_blocks),
+                          max(self.pull_s, other.pull_s), max(self.pull_blocks, other.pull_blocks))
+
+    @classmethod
+    def from_engine(cls, params: dict[str, Any] | None) -> "LoadTiming | None":
+        """The timing in a finished request's kv_transfer_params, if it loaded anything."""
+        data = (params or {}).get(LOAD_TIMING_KEY)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data}) if data else None
+
+    def to_engine(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def is_transfer(params: dict[str, Any] | None) -> bool:
+    """Whether a finished prefill's kv_transfer_params name leased blocks (not only a timing)."""
+    return bool(params) and "remote_block_ids" in params
 
 
 def prefill_request_params() -> dict[str, Any]:

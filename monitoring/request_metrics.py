@@ -24,13 +24,16 @@ class RequestTrace:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     engine_timing: Any = None  # deployments.records.EngineTiming of the first delta
+    engine_pool_load_s: float = 0.0  # the (decode or colocated) engine's KV pool reads
+    prefill_pool_load_s: float = 0.0  # disaggregated: the prefill engine's KV pool reads
     phases: dict = field(default_factory=dict)
 
     def dispatch(self) -> None:
         self.dispatched = time.monotonic()
 
-    def mark_prefill_done(self) -> None:
+    def mark_prefill_done(self, pool_load_s: float = 0.0) -> None:
         self.prefill_done = time.monotonic()
+        self.prefill_pool_load_s = pool_load_s
 
     def on_delta(self, delta: Any) -> None:
         now = time.monotonic()
@@ -40,6 +43,8 @@ class RequestTrace:
             self.last_token = now
         if self.engine_timing is None and getattr(delta, "engine_timing", None) is not None:
             self.engine_timing = delta.engine_timing
+        if getattr(delta, "kv_load", None) is not None:
+            self.engine_pool_load_s = delta.kv_load.pool_s
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens
 
@@ -65,7 +70,7 @@ class RequestMetrics:
         marks = RequestMarks(trace.received, trace.dispatched or trace.received, first, last, done, trace.prefill_done)
         timing = trace.engine_timing
         phases = request_phases(marks, getattr(timing, "queue_s", None), getattr(timing, "first_token_s", None),
-                                self._disaggregated)
+                                self._disaggregated, trace.engine_pool_load_s, trace.prefill_pool_load_s)
         trace.phases = phases
         e2e = done - trace.received
         ttft = first - trace.received

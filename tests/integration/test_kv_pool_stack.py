@@ -80,7 +80,7 @@ class PoolApp:
             "model": self.stack.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True})
         assert response.status_code == 200, response.text
-        return response.json()
+        return {**response.json(), "server_timing": response.headers.get("server-timing", "")}
 
     def chat(self, messages) -> list[int]:
         response = httpx.post(f"{self.base_url}/v1/chat/completions", timeout=180, json={
@@ -121,6 +121,8 @@ def test_pd_outputs_with_pool_hits_are_token_identical(pool_app, reference_outpu
     for name in names:  # second round: every full prompt block from the pool, on both sides
         body = pool_app.complete(COMPLETION_PROMPTS[name])
         assert body["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"], name
+        if len(reference_outputs[name]["prompt_token_ids"]) >= BLOCK:  # a full block came from the pool
+            assert "pool_load;dur=" in body["server_timing"], (name, body["server_timing"])
     for name, messages in CHAT_CONVERSATIONS.items():
         assert pool_app.chat(messages) == reference_outputs[name]["token_ids"], name
     after = pool_app.settled()

@@ -10,7 +10,8 @@ from deployments.llm_server import LLMServer
 from deployments.records import EngineRequest, PrefillResult, SamplingSpec, TokenDelta
 from tests.unit.ingress_fakes import FakeMetricsBackend
 
-PARAMS = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r-1-abcd1234", "do_remote_prefill": True}
+PARAMS = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r-1-abcd1234", "remote_block_ids": [0],
+          "do_remote_prefill": True}
 
 
 class GatedEngine:
