@@ -4,7 +4,8 @@ real vLLM engines with our connector's pool tier, real HTTP.
 A second application beside the session's default one (which runs without a pool and is the
 reference for prompts outside the fixed prompt set): P/D with one prefill and one decode
 engine, vLLM's own prefix cache off on both, so every reused block provably came from the
-pool. Then the same application colocated, for the colocated path and the pool's failures.
+pool. Then the same application colocated with its prefix cache on but a KV cache far smaller
+than the working set (capacity beyond one engine's memory), and the pool's master failing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ pytest.importorskip("mooncake.store")
 
 APP = "pool-test"
 BLOCK = 128  # vLLM's CPU default block size
+ENGINE_BLOCKS = 24  # the colocated engine's whole KV cache (vLLM needs >= max_model_len / BLOCK)
+WORKING_SET_PROMPTS = 10
 
 
 def _log(message: str) -> None:
@@ -42,7 +45,9 @@ def _manifest(colocated: bool) -> dict:
     for pool in (prefill, decode):
         pool["engine"]["enable_prefix_caching"] = False  # every reused block comes from the pool
     if colocated:
-        data["pools"] = [{**decode, "name": "engine", "role": "colocated"}]
+        engine = {**decode["engine"], "enable_prefix_caching": True,
+                  "extra_args": {"num_gpu_blocks_override": ENGINE_BLOCKS}}
+        data["pools"] = [{**decode, "name": "engine", "role": "colocated", "engine": engine}]
     return data
 
 
@@ -169,39 +174,61 @@ def test_multi_turn_history_comes_from_the_pool(pool_app, stack):
     assert history_blocks > 0 and hit_blocks >= math.ceil(0.9 * history_blocks)
 
 
-def test_colocated_engine_reuses_the_pool_and_survives_the_master_dying(pool_app, reference_outputs):
-    """Colocated: a prompt stored by the engine's first request is loaded by its second (the
-    engine's own prefix cache is off); with the master killed every request still succeeds
-    with the same output (fallback counted), and after the master is back hits resume. (The
-    P/D engines' objects left with them: engines contribute the pool's memory.)"""
+def _working_set() -> list[str]:
+    """Distinct prompts of ten full blocks each: the chapter number in the first block makes
+    every block's chained hash differ from the other prompts'."""
+    return [f"Chapter {i} of the keeper's log. " + "lorem ipsum dolor " * 95 for i in range(WORKING_SET_PROMPTS)]
+
+
+def test_a_working_set_four_times_the_engines_kv_cache_still_hits_the_pool(pool_app, stack):
+    """Colocated, vLLM's prefix cache on but the engine's whole KV cache only ENGINE_BLOCKS
+    blocks: cycling through prompts worth more than 4x that, every revisit finds its prefix
+    evicted from the engine and loads it from the pool, with the plain engine's output."""
+    pool_app.deploy(colocated=True)
+    prompts = _working_set()
+    first = [pool_app.complete(prompt) for prompt in prompts]
+    tokens = [body["usage"]["prompt_tokens"] for body in first]
+    full = sum(_full_blocks(n) for n in tokens)
+    assert sum(tokens) >= 4 * ENGINE_BLOCKS * BLOCK, tokens
+    plain = [pool_app.complete(prompt, base_url=stack.base_url) for prompt in prompts]
+    before = pool_app.settled()["engine"]
+    again = [pool_app.complete(prompt) for prompt in prompts]
+    after = pool_app.settled()["engine"]
+    for i, (ours, theirs, revisit) in enumerate(zip(first, plain, again)):
+        assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"], f"prompt {i}, first visit"
+        assert revisit["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"], f"prompt {i}, from the pool"
+    loaded = _delta(after, before, "pool_blocks_loaded_total")
+    _log(f"working set {sum(tokens)} tokens vs engine KV {ENGINE_BLOCKS * BLOCK}: {loaded} of {full} "
+         f"revisited blocks from the pool")
+    assert loaded >= math.ceil(0.9 * full)
+    pool_app.outputs = {prompt: body["choices"][0]["token_ids"] for prompt, body in zip(prompts, plain)}
+
+
+def test_the_colocated_engine_survives_the_master_dying_and_reuses_the_pool_again(pool_app):
+    """With the master killed every request still succeeds with the same output (the engine
+    recomputes; the fallback is counted), and after the supervisor restarts it hits resume.
+    (Objects live in the engines' segments: a restarted master starts empty.)"""
     from cluster.kv_pool_service import kill_master
 
-    pool_app.deploy(colocated=True)
-    name = "long"
-    expected = reference_outputs[name]["token_ids"]
-    full = _full_blocks(len(reference_outputs[name]["prompt_token_ids"]))
+    if not getattr(pool_app, "outputs", None):
+        pytest.skip("needs the working set of the test before")
+    prompts = list(pool_app.outputs)
     before = pool_app.settled()["engine"]
-    for _ in range(2):
-        assert pool_app.complete(COMPLETION_PROMPTS[name])["choices"][0]["token_ids"] == expected
-    after = pool_app.settled()["engine"]
-    assert _delta(after, before, "pool_blocks_loaded_total") == full
-
     kill_master(APP)
-    for round_ in range(3):
-        body = pool_app.complete(COMPLETION_PROMPTS[name])
-        assert body["choices"][0]["token_ids"] == expected, f"round {round_} with the master down"
+    for prompt in prompts[:3]:
+        assert pool_app.complete(prompt)["choices"][0]["token_ids"] == pool_app.outputs[prompt], "master down"
     down = pool_app.settled()["engine"]
     assert down["pool_lookup_failures_total"] + down["pool_load_failures_total"] > \
-        after["pool_lookup_failures_total"] + after["pool_load_failures_total"]
+        before["pool_lookup_failures_total"] + before["pool_load_failures_total"]
 
-    # The supervisor restarts the master (empty); the engine retries after retry_after_s,
-    # stores the prompt again, and the next request hits.
-    deadline = time.monotonic() + 90
-    while True:
-        assert pool_app.complete(COMPLETION_PROMPTS[name])["choices"][0]["token_ids"] == expected
+    # The engine retries after retry_after_s and stores again; a prompt revisited after the
+    # others evicted it from the engine loads from the pool again.
+    deadline = time.monotonic() + 120
+    for round_ in range(100):
+        prompt = prompts[round_ % len(prompts)]
+        assert pool_app.complete(prompt)["choices"][0]["token_ids"] == pool_app.outputs[prompt]
         now = pool_app.settled()["engine"]
-        if _delta(now, down, "pool_blocks_loaded_total") >= full:
+        if _delta(now, down, "pool_blocks_loaded_total") >= 10:
             break
         assert time.monotonic() < deadline, f"no pool hits after the master restarted: {now}"
-        time.sleep(3)
     assert now["pool_up"] == 1
