@@ -1,8 +1,25 @@
-"""Hooks for the whole suite."""
+"""Hooks for the whole suite: failures reported the moment they happen, and a time budget."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+
+import pytest
+
+# CI stops the whole run at 90 minutes (set-up included) and then prints nothing of pytest's
+# summary. Past this budget the remaining tests fail at once, naming the budget, so a run that
+# went slow still ends with a report of what passed, what failed and why.
+BUDGET_S = float(os.environ.get("MOE_SERVE_TEST_BUDGET_S", 75 * 60))
+_STARTED = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    spent = time.monotonic() - _STARTED
+    if spent > BUDGET_S:
+        pytest.fail(f"the suite is over its time budget ({spent / 60:.0f} of {BUDGET_S / 60:.0f} min; "
+                    "MOE_SERVE_TEST_BUDGET_S): not started", pytrace=False)
 
 
 def pytest_runtest_logreport(report):
