@@ -48,6 +48,23 @@ def ray_environment() -> dict[str, str]:
     }
 
 
+def apply_ray_environment(override: bool = True) -> None:
+    """Put `ray_environment()` into this process, also when Ray was imported before.
+
+    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when `ray` is first imported; a process
+    that imported Ray earlier (a test session, a library caller) would otherwise still rewrite
+    127.0.0.1 to the machine's interface IP and fail to reach our loopback-only GCS.
+    """
+    for key, value in ray_environment().items():
+        if override:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def ensure_auth_token() -> None:
     """Create Ray's cluster token (~/.ray/auth_token) if missing; raylets refuse to start without."""
     import subprocess
@@ -76,7 +93,7 @@ class LocalCluster:
 
     def start(self, progress=print) -> "LocalCluster":
         # Before Ray is imported: Ray reads its auth mode once, at import.
-        os.environ.update(ray_environment())
+        apply_ray_environment()
         ensure_auth_token()
         from ray.cluster_utils import Cluster
 

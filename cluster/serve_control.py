@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from cluster.checkpoints import resolve_model_path
 from cluster.errors import ClusterError
-from cluster.local_cluster import LOOPBACK, ray_environment
+from cluster.local_cluster import LOOPBACK, apply_ray_environment
 from cluster.manifest import Manifest
 
 
@@ -16,8 +16,7 @@ def connect(address: str | None = None) -> None:
     """Join a running cluster as a driver ("auto": RAY_ADDRESS or the latest local cluster)."""
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     if address == "auto" or address.split(":")[0] in {LOOPBACK, "localhost"}:
-        for key, value in ray_environment().items():
-            os.environ.setdefault(key, value)
+        apply_ray_environment(override=False)
     import ray
 
     if ray.is_initialized():

@@ -1,13 +1,11 @@
 """Mooncake Store adapter of the KV pool (`PoolStore`): one `MooncakeDistributedStore` client.
 
 Measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on loopback, 2-core box:
-(a) setup() with global_segment_size=0 works (a lookup-only client, 0.3-0.6 s): it reads and
-    writes objects held in other clients' segments; allocate_and_mount_segment() adds a
-    segment later (0.05 s for 32 MiB).
-(b) Two clients live side by side in one process (see `mooncake_shared` for why we keep one).
-(c) Master killed: calls return RPC_FAIL (-900), at once or after 4.3-4.9 s (the client tries
-    to reconnect); health_check() turns 2 within seconds of the kill and costs 0.2 us (a flag
-    the client's ping thread keeps, no RPC). Master hung (SIGSTOP): health_check() stays 0 and
+(a) setup() with global_segment_size=0 makes a lookup-only client (0.3-0.6 s) that reads and
+    writes objects in other clients' segments; allocate_and_mount_segment() adds a segment
+    later (0.05 s for 32 MiB). (b) Two clients live side by side in one process (`mooncake_shared`).
+(c) Master killed: calls return RPC_FAIL (-900), at once or after 4.3-4.9 s (reconnecting);
+    health_check() turns 2 within seconds and costs 0.2 us (a flag kept by a ping thread). Master hung (SIGSTOP): health_check() stays 0 and
     every call blocks 30 s, then returns -901. setup() with no master blocks 92 s, returns -1.
     close() takes 2 s, 15 s with the master gone. Any call on a closed client segfaults.
 (d) Master restarted on the same ports: the existing client reconnects by itself (after 5
@@ -18,15 +16,13 @@ Measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on loopback, 2
 (f) batch_get_into: -704 (OBJECT_NOT_FOUND) for a missing key, -600 for a too-small buffer.
     batch_is_exist of 64 keys takes 68 us. setup() refuses a segment of 0 < size < 16 MiB (-600).
 
-Hence every client call runs on a small thread pool and is awaited with a deadline (exists
-1 s, put/get 5 s, close 5 s): past it the call raises `PoolUnavailable` and its thread is left
-to finish (bounded by the client's own 30 s RPC timeout). While such a call is overdue, and
-while health_check() says the master is unreachable, calls fail at once instead of waiting.
-setup() runs in the background (after a cheap TCP probe of the master), so a first call
-waits at most its own deadline for it; a failed setup is retried no sooner than
-`retry_after_s`. A client whose master has looked unreachable for `retry_after_s` while the
-master's port accepts connections is replaced (`reconnect`), with registered buffers
-replayed. A client is closed only once no call is running on it (that would segfault).
+Hence every client call runs on a small thread pool with a deadline (exists 1 s, put/get 5 s,
+close 5 s); past it the call raises `PoolUnavailable` and its thread is left to finish (within
+the client's own 30 s RPC timeout). While a call is overdue or health_check() says the master
+is unreachable, calls fail at once. setup() runs in the background after a TCP probe of the
+master, retried no sooner than `retry_after_s`; a client whose master has looked unreachable
+that long while its port accepts connections is replaced (`reconnect`), buffers replayed.
+A client is closed only once no call is running on it (that would segfault).
 """
 
 from __future__ import annotations
@@ -126,6 +122,10 @@ class MooncakePoolStore:
                            lambda c: c.raw.batch_get_into(list(keys), list(addresses), list(sizes)))
         self._check(codes, len(keys), "batch_get_into")
         return [int(code) for code in codes]
+
+    def remove(self, keys: Sequence[str]) -> None:  # force: a corrupt object goes even while leased
+        if keys:
+            self._call("batch_remove", self._transfer_timeout_s, lambda c: c.raw.batch_remove(list(keys), True))
 
     def stats(self) -> dict[str, float]:
         with self._lock:

@@ -71,6 +71,10 @@ class PoolStore(Protocol):
         """Read each object into its buffer: bytes read per key, or a negative number when the
         key is missing or the read failed (the caller recomputes that block and the rest)."""
 
+    def remove(self, keys: Sequence[str]) -> None:
+        """Drop the objects (a corrupt one, so that the next store writes it afresh); missing
+        keys are fine. Raises PoolUnavailable when the pool cannot be reached."""
+
     def stats(self) -> dict[str, float]:
         """Capacity figures when the store knows them (e.g. segment_bytes); may be empty."""
 

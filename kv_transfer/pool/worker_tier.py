@@ -109,7 +109,8 @@ class PoolWorker:
             store = self._usable_store()
             with self._staging_for("load") as (buffer, per_chunk):
                 for start in range(0, len(blocks), per_chunk):
-                    nbytes += self._load_chunk(store, blocks[start:start + per_chunk], buffer)
+                    nbytes += self._load_chunk(store, blocks[start:start + per_chunk], buffer,
+                                               later=blocks[start + per_chunk:])
         except PoolUnavailable as exc:
             self._down(exc)
             self._count(load_failures_total=1)
@@ -122,7 +123,8 @@ class PoolWorker:
                     load_seconds_total=time.perf_counter() - started)
         return nbytes
 
-    def _load_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray) -> int:
+    def _load_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray,
+                    later: Sequence[PoolBlock] = ()) -> int:
         size = self._layout.object_bytes
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
         base = buffer.ctypes.data
@@ -135,9 +137,21 @@ class PoolWorker:
                 payload = verify(view[i * size:(i + 1) * size], key, block.token_digest, self._layout)
             except KVTransferError:
                 self._count(corrupt_objects_total=1)
+                # This block and the ones after it are recomputed and stored again; a store
+                # skips keys the pool holds, so they must go (the rest may be corrupt too).
+                self._drop_corrupt(store, keys[i:] + [self._keys.key(b.block_hash, self._rank) for b in later])
                 raise
             self._scatter(payload, block.block_id)
         return len(chunk) * self._layout.payload_bytes
+
+    def _drop_corrupt(self, store: PoolStore, keys: list[str]) -> None:
+        """Objects are immutable and a store skips keys the pool holds: a corrupt object left
+        in place would fail every later load of its block. Best effort: the load fails anyway."""
+        try:
+            store.remove(keys)
+        except Exception as exc:  # noqa: BLE001 - the pool may be going down as well
+            logger.warning("kv pool: could not remove corrupt object %s and %d after it: %s", keys[0],
+                           len(keys) - 1, exc)
 
     # -- stores ---------------------------------------------------------------------------------
 

@@ -204,6 +204,45 @@ def test_a_working_set_four_times_the_engines_kv_cache_still_hits_the_pool(pool_
     pool_app.outputs = {prompt: body["choices"][0]["token_ids"] for prompt, body in zip(prompts, plain)}
 
 
+def test_corrupted_objects_are_never_used_and_the_engine_recomputes(pool_app):
+    """Every object of the application in the real pool gets one byte flipped (through a
+    Mooncake client of the test's own, keys listed by the master): revisits fail
+    verification, the engine recomputes with the same output, and drops the bad objects so
+    that its stores replace them and later revisits load from the pool again."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from cluster.kv_pool_service import ensure_pool
+
+    if not getattr(pool_app, "outputs", None):
+        pytest.skip("needs the working set of the test before")
+    pool = ensure_pool(APP)
+    host = pool["master_address"].rsplit(":", 1)[0]
+    keys = [k for k in httpx.get(f"http://{host}:{pool['metrics_port']}/get_all_keys", timeout=10).text.split()
+            if k.startswith(f"{APP}/")]
+    assert keys, "the working set left no objects in the pool"
+    client = MooncakeDistributedStore()
+    assert client.setup(host, pool["metadata_url"], 64 << 20, 16 << 20, "tcp", "", pool["master_address"]) == 0
+    try:
+        for key in keys:
+            damaged = bytearray(client.get(key))
+            damaged[-1] ^= 0xFF  # the payload's last byte: only the checksum can tell
+            assert client.upsert(key, bytes(damaged)) == 0, key
+        prompts = list(pool_app.outputs)[:3]
+        before = pool_app.settled()["engine"]
+        for prompt in prompts:
+            assert pool_app.complete(prompt)["choices"][0]["token_ids"] == pool_app.outputs[prompt], "corrupt pool"
+        after = pool_app.settled()["engine"]
+        assert _delta(after, before, "pool_corrupt_objects_total") >= len(prompts)
+        assert _delta(after, before, "pool_blocks_loaded_total") == 0
+        # The bad objects were removed and stored afresh: the next revisits load again.
+        for prompt in list(pool_app.outputs)[3:] + prompts:
+            assert pool_app.complete(prompt)["choices"][0]["token_ids"] == pool_app.outputs[prompt]
+        healed = pool_app.settled()["engine"]
+        assert _delta(healed, after, "pool_blocks_loaded_total") >= _full_blocks(1200) * len(prompts)
+    finally:
+        client.close()
+
+
 def test_the_colocated_engine_survives_the_master_dying_and_reuses_the_pool_again(pool_app):
     """With the master killed every request still succeeds with the same output (the engine
     recomputes; the fallback is counted), and after the supervisor restarts it hits resume.

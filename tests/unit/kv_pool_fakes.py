@@ -63,6 +63,12 @@ class FakePoolStore:
                 out.append(len(data))
         return out
 
+    def remove(self, keys):
+        self._check("remove")
+        with self._lock:
+            for key in keys:
+                self.objects.pop(key, None)
+
     def stats(self):
         return {"objects": len(self.objects)}
 

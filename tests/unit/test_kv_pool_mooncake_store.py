@@ -118,6 +118,11 @@ def test_round_trip_missing_and_idempotent_put(shared_master):
         assert store.put_from(["a"], [buf.src_at(3)], [OBJ]) == [True]
         assert store.get_into(["a"], [buf.dst_at(3)], [OBJ]) == [OBJ]
         assert buf.same(0, 3)
+        # Removed (a corrupt object): gone, and the next put writes it afresh.
+        store.remove(["a", "missing"])
+        assert store.exists(["a", "b"]) == [False, True]
+        assert store.put_from(["a"], [buf.src_at(3)], [OBJ]) == [True]
+        assert store.get_into(["a"], [buf.dst_at(2)], [OBJ]) == [OBJ] and buf.same(3, 2)
         assert store.exists([]) == [] and store.put_from([], [], []) == [] and store.get_into([], [], []) == []
         assert store.stats()["segment_bytes"] == 16 << 20
     finally:

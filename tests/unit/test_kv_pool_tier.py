@@ -264,6 +264,26 @@ def test_a_corrupt_or_foreign_object_fails_the_load(store):
     with pytest.raises(CorruptObject, match="other token ids"):
         reader.load(blocks_of(other, [4]))
     assert reader.snapshot()["pool_corrupt_objects_total"] == 2
+    # Both corrupt objects were removed: the next store writes them afresh, and they load.
+    assert key not in store.objects and KEYS.key(req.block_hashes[0], 0) not in store.objects
+    assert writer.store(blocks_of(req, [0, 1])) == 2
+    reader.load(blocks_of(req, [4, 5]))
+
+
+def test_a_corrupt_object_takes_the_objects_after_it_out_of_the_pool(store):
+    """The request recomputes from the first bad block on, and its store only writes blocks
+    the pool does not hold: every object from there on must go, or a later corrupt one would
+    fail the next load again (chunks of 3 blocks: the removal reaches past the chunk)."""
+    writer, reader = worker(store), worker(store)
+    writer.attach(BytePages(seed=6))
+    reader.attach(BytePages())
+    req = request(prompt_len=96)
+    assert writer.store(blocks_of(req, range(6))) == 6
+    key = KEYS.key(req.block_hashes[1], 0)
+    store.objects[key] = store.objects[key][:-1] + bytes([store.objects[key][-1] ^ 1])
+    with pytest.raises(CorruptObject):
+        reader.load(blocks_of(req, range(10, 16)))
+    assert sorted(store.objects) == [KEYS.key(req.block_hashes[0], 0)]
 
 
 def test_a_missing_object_or_a_down_pool_fails_the_load_and_stores_give_up_quietly(store):
