@@ -1,0 +1,71 @@
+"""Admission control: a bounded number of requests in flight per pool, and a fast 429 past it.
+
+Rule: a request is admitted while fewer than `max_running + max_queued` are in flight (running
+in the engines plus waiting for them). Priority classes share that bound unequally: class `p`
+may only fill `share[p]` of the queue part (e.g. batch traffic gets half the queue, interactive
+all of it), so under overload low priority is shed first. A rejected request is told when to
+come back: Retry-After = the time the excess takes to drain at the recent completion rate,
+clamped to [min_retry_s, max_retry_s]. Never blocks: the decision is O(1) and immediate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_running: int
+    max_queued: int
+    priority_queue_share: dict[str, float] = field(default_factory=lambda: {"high": 1.0, "normal": 1.0, "low": 0.5})
+    min_retry_s: float = 1.0
+    max_retry_s: float = 30.0
+    rate_window_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Rejection:
+    retry_after_s: int
+    reason: str
+
+
+class AdmissionGate:
+    def __init__(self, limits: AdmissionLimits):
+        if limits.max_running < 1 or limits.max_queued < 0:
+            raise ValueError(f"admission needs max_running >= 1 and max_queued >= 0, got {limits}")
+        self.limits = limits
+        self.in_flight = 0
+        self.rejected_total = 0
+        self._completions: deque[float] = deque()
+
+    def admit(self, now_s: float, priority: str = "normal") -> Rejection | None:
+        """None: admitted (call `release` when it ends). Otherwise why not, and when to retry."""
+        share = self.limits.priority_queue_share.get(priority)
+        if share is None:
+            known = ", ".join(sorted(self.limits.priority_queue_share))
+            raise ValueError(f"unknown priority {priority!r}; known: {known}")
+        bound = self.limits.max_running + math.floor(share * self.limits.max_queued)
+        if self.in_flight < bound:
+            self.in_flight += 1
+            return None
+        self.rejected_total += 1
+        excess = self.in_flight - bound + 1
+        return Rejection(self._retry_after(excess, now_s),
+                         f"{self.in_flight} requests in flight, the limit for priority {priority!r} is {bound}")
+
+    def release(self, now_s: float) -> None:
+        self.in_flight = max(self.in_flight - 1, 0)
+        self._completions.append(now_s)
+        self._trim(now_s)
+
+    def _retry_after(self, excess: int, now_s: float) -> int:
+        self._trim(now_s)
+        rate = len(self._completions) / self.limits.rate_window_s
+        wait = excess / rate if rate > 0 else self.limits.max_retry_s
+        return int(math.ceil(min(max(wait, self.limits.min_retry_s), self.limits.max_retry_s)))
+
+    def _trim(self, now_s: float) -> None:
+        while self._completions and now_s - self._completions[0] > self.limits.rate_window_s:
+            self._completions.popleft()

@@ -1,0 +1,147 @@
+"""Routing policies: which engine replica serves a request. Pure: plain data and `now_s` in.
+
+round_robin   replicas in turn (a baseline).
+least_loaded  power of two choices on load (Serve's default rule, here on our own counts).
+prefix        cache- and load-aware. Rule, in order:
+  1. load gate (SGLang's rule): if the most and least loaded replicas differ by more than
+     `imbalance_abs` requests and by more than `imbalance_rel` times, the least loaded wins,
+     whatever it holds: a cache hit is not worth a queue;
+  2. session affinity: a request whose session is pinned goes to its replica unless that one
+     carries more than `session_slack` requests above the least loaded;
+  3. otherwise the highest score wins, score = w_prefix * hit_fraction - w_kv * kv_usage
+     - w_queue * load / max_load (llm-d's precise scorer weights: 2, 1, 1); ties go to the
+     lower load, then in turn.
+  Load = requests this router has in flight there + the queue the replica last reported, if that
+  report is younger than `stale_after_s` (a stale report counts as unknown, not as idle).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deployments.routing.prefix_index import PrefixIndex
+from deployments.routing.state import ReplicaState, RouteDecision, RoutingRequest
+
+
+def replica_load(replica: ReplicaState, now_s: float, stale_after_s: float) -> float:
+    fresh = replica.reported_at_s is not None and now_s - replica.reported_at_s <= stale_after_s
+    return replica.ongoing + (replica.queued if fresh else 0)
+
+
+def fresh_kv_usage(replica: ReplicaState, now_s: float, stale_after_s: float) -> float:
+    fresh = replica.reported_at_s is not None and now_s - replica.reported_at_s <= stale_after_s
+    return replica.kv_usage if fresh else 0.0
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self, **_: object):
+        self._next = 0
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState], now_s: float) -> RouteDecision | None:
+        if not replicas:
+            return None
+        ordered = sorted(replicas, key=lambda r: r.replica_id)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return RouteDecision(chosen.replica_id, "round_robin")
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def __init__(self, stale_after_s: float = 30.0, seed: int | None = None, **_: object):
+        self.stale_after_s = stale_after_s
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState], now_s: float) -> RouteDecision | None:
+        if not replicas:
+            return None
+        pair = self._rng.sample(list(replicas), k=min(2, len(replicas)))
+        chosen = min(pair, key=lambda r: (replica_load(r, now_s, self.stale_after_s), r.replica_id))
+        return RouteDecision(chosen.replica_id, "least_loaded" if len(replicas) > 1 else "only_replica")
+
+
+@dataclass(frozen=True)
+class PrefixWeights:
+    prefix: float = 2.0
+    kv: float = 1.0
+    queue: float = 1.0
+
+
+class PrefixAware:
+    name = "prefix"
+
+    def __init__(self, capacity_blocks: int = 4096, weights: PrefixWeights = PrefixWeights(),
+                 imbalance_abs: float = 8, imbalance_rel: float = 1.5, session_slack: float = 4,
+                 stale_after_s: float = 30.0, max_sessions: int = 100_000, **_: object):
+        self.index = PrefixIndex(capacity_blocks)
+        self.weights = weights
+        self.imbalance_abs = imbalance_abs
+        self.imbalance_rel = imbalance_rel
+        self.session_slack = session_slack
+        self.stale_after_s = stale_after_s
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._turn = 0
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState], now_s: float) -> RouteDecision | None:
+        if not replicas:
+            return None
+        self.index.sync((r.replica_id for r in replicas), {r.replica_id: r.epoch for r in replicas})
+        loads = {r.replica_id: replica_load(r, now_s, self.stale_after_s) for r in replicas}
+        hits = {r.replica_id: self.index.hit_blocks(r.replica_id, request.block_hashes) for r in replicas}
+        decision = (self._load_gate(replicas, loads, hits) or self._session(request, loads, hits)
+                    or self._best_score(request, replicas, loads, hits, now_s))
+        self.index.record_routed(decision.replica_id, request.block_hashes)
+        if request.session_id is not None:
+            self._sessions[request.session_id] = decision.replica_id
+            self._sessions.move_to_end(request.session_id)
+            while len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        return decision
+
+    def _load_gate(self, replicas, loads: dict[str, float], hits: dict[str, int]) -> RouteDecision | None:
+        low, high = min(loads.values()), max(loads.values())
+        if high - low > self.imbalance_abs and high > self.imbalance_rel * low:
+            chosen = min(replicas, key=lambda r: (loads[r.replica_id], -hits[r.replica_id], r.replica_id))
+            return RouteDecision(chosen.replica_id, "load_gate", hits[chosen.replica_id])
+        return None
+
+    def _session(self, request: RoutingRequest, loads: dict[str, float], hits: dict[str, int]) -> RouteDecision | None:
+        pinned = self._sessions.get(request.session_id) if request.session_id is not None else None
+        if pinned in loads and loads[pinned] <= min(loads.values()) + self.session_slack:
+            return RouteDecision(pinned, "session", hits[pinned])
+        return None
+
+    def _best_score(self, request, replicas, loads, hits, now_s: float) -> RouteDecision:
+        max_load = max(max(loads.values()), 1.0)
+        scores = {}
+        for replica in replicas:
+            rid = replica.replica_id
+            hit_fraction = hits[rid] / request.blocks if request.blocks else 0.0
+            scores[rid] = (self.weights.prefix * hit_fraction
+                           - self.weights.kv * fresh_kv_usage(replica, now_s, self.stale_after_s)
+                           - self.weights.queue * loads[rid] / max_load)
+        best = max(scores.values())
+        tied = sorted((rid for rid, score in scores.items() if best - score < 1e-9), key=lambda rid: (loads[rid], rid))
+        tied = [rid for rid in tied if loads[rid] == loads[tied[0]]]
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        reason = "prefix" if hits[chosen] > 0 else ("only_replica" if len(replicas) == 1 else "least_loaded")
+        return RouteDecision(chosen, reason, hits[chosen], scores)
+
+
+POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware)}
+
+
+def make_policy(name: str, **options: object):
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return cls(**options)
