@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
+from cluster.manifest_routing import AdmissionSpec
 
 _LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
 
@@ -259,6 +260,8 @@ class Manifest(_Strict):
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     kv_pool: KVPoolSpec = Field(default_factory=KVPoolSpec)
     """The cluster-wide KV cache pool (off unless enabled)."""
+    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    """Bounded queues: past them the ingress answers 429 with Retry-After."""
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     """Settings of the coordinated autoscaler (used when the pools have autoscaling bounds)."""

@@ -162,6 +162,10 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
                                     pool_address)
         prefill = None
 
+    serving = manifest.pool_with_role(PoolRole.decode if manifest.disaggregated else PoolRole.colocated)
+    admission = manifest.admission
+    admission_limits = (admission.limits_per_ingress(serving, manifest.http.ingress_replicas)
+                        if admission.enabled else None)
     ingress_options: dict[str, Any] = {"num_cpus": INGRESS_NUM_CPUS}
     if manifest.local_cluster and manifest.local_cluster.nodes[0].labels:
         ingress_options["label_selector"] = dict(manifest.local_cluster.nodes[0].labels)
@@ -172,4 +176,5 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
         max_ongoing_requests=1024,
     ).bind(engine, model, http, model_path, prefill=prefill,
            allow_fault_injection=manifest.kv_transfer.allow_fault_injection, slo=manifest.slo.model_dump(),
-           metrics=manifest.observability.metrics)
+           metrics=manifest.observability.metrics, admission=admission_limits,
+           priority_header=admission.priority_header)

@@ -14,6 +14,7 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] | None = None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -31,3 +32,8 @@ def server_error(message: str, *, retriable: bool = False) -> APIError:
     if retriable:
         return APIError(503, message, type="service_unavailable", code="retry")
     return APIError(500, message, type="internal_error")
+
+
+def too_many_requests(message: str, retry_after_s: int) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="overloaded",
+                    headers={"Retry-After": str(retry_after_s)})

@@ -19,9 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import openai_responses as out
-from deployments.errors import APIError, bad_request, not_found, server_error
+from deployments.errors import APIError, bad_request, not_found, server_error, too_many_requests
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+from deployments.routing.admission import AdmissionGate, AdmissionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,10 @@ GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
 class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
                  prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
-                 metrics: Any = None):
+                 metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority"):
         """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
-        metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter."""
+        metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter;
+        admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything."""
         from deployments.engine_client import as_engine_client
         from deployments.tokenizer import PromptTokenizer
         from monitoring.exporter import MetricsExporter
@@ -59,6 +61,8 @@ class OpenAIIngress:
         self._metrics = RequestMetrics(metrics,
                                        ttft_slo_s=slo["ttft_ms"] / 1e3, itl_slo_s=slo["itl_ms"] / 1e3,
                                        disaggregated=prefill is not None)
+        self._gate = AdmissionGate(AdmissionLimits(**admission)) if admission else None
+        self._priority_header = priority_header
         self._routes = {
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): self._completions,
@@ -83,8 +87,9 @@ class OpenAIIngress:
             return await (handler(request) if trace is None else handler(request, trace))
         except APIError as exc:
             if trace is not None:
-                self._metrics.failed(trace, "client_error" if exc.status < 500 else "server_error")
-            return JSONResponse(exc.body(), status_code=exc.status)
+                outcome = "rejected" if exc.status == 429 else "client_error" if exc.status < 500 else "server_error"
+                self._metrics.failed(trace, outcome)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         except asyncio.CancelledError:
             if trace is not None:
                 self._metrics.failed(trace, "cancelled")
@@ -121,7 +126,7 @@ class OpenAIIngress:
                                   f"[0, {self._tokenizer.vocab_size})", param="prompt")
             prompt_ids = list(body.prompt)
         return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl", trace=trace,
-                                    options=_test_options(request))
+                                    options=_test_options(request), priority=self._priority(request))
 
     async def _chat_completions(self, request: Request, trace: Any) -> Response:
         body = parse_request(ChatCompletionRequest, await self._json_body(request))
@@ -129,7 +134,7 @@ class OpenAIIngress:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = self._tokenizer.encode_chat(messages)
         return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl",
-                                    trace=trace, options=_test_options(request))
+                                    trace=trace, options=_test_options(request), priority=self._priority(request))
 
     # -- shared path --------------------------------------------------------------------------
 
@@ -168,7 +173,7 @@ class OpenAIIngress:
         return max_tokens
 
     async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
-                        prefix: str, trace: Any, options: dict | None = None) -> Response:
+                        prefix: str, trace: Any, options: dict | None = None, priority: str = "normal") -> Response:
         sampling = SamplingSpec(
             max_tokens=self._budget(len(prompt_ids), max_tokens),
             temperature=float(body.temperature), top_p=float(body.top_p), top_k=max(body.top_k, 0),
@@ -182,8 +187,11 @@ class OpenAIIngress:
             return_token_ids=body.return_token_ids,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
+        self._admit(priority)
         trace.dispatch()
         stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling), trace=trace, **(options or {}))
+        if self._gate is not None:
+            stream = self._released_when_done(stream)
         if body.stream:
             first = await _first_item(stream)
             if isinstance(first, EngineFailure):
@@ -192,6 +200,29 @@ class OpenAIIngress:
             return StreamingResponse(self._sse(ctx, first, stream, trace), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         return await self._collect(ctx, stream, trace)
+
+    def _priority(self, request: Request) -> str:
+        return request.headers.get(self._priority_header, "normal").strip().lower()
+
+    def _admit(self, priority: str) -> None:
+        """Take a place in the bounded queue, or raise 429 at once (never wait for one)."""
+        if self._gate is None:
+            return
+        try:
+            rejection = self._gate.admit(time.monotonic(), priority)
+        except ValueError as exc:
+            raise bad_request(f"header {self._priority_header}: {exc}", code="invalid_priority") from None
+        if rejection is not None:
+            raise too_many_requests(f"server busy: {rejection.reason}; retry after {rejection.retry_after_s}s",
+                                    rejection.retry_after_s)
+
+    async def _released_when_done(self, stream: AsyncIterator) -> AsyncIterator:
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+            self._gate.release(time.monotonic())
 
     async def _collect(self, ctx: out.ResponseContext, stream: AsyncIterator, trace: Any) -> Response:
         text: list[str] = []

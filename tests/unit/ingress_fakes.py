@@ -137,12 +137,13 @@ class FakeMetricsBackend:
         return [v for _, n, v, t in self.records if n == name and tags.items() <= t.items()]
 
 
-def make_client(engine: FakeEngine, metrics_backend: FakeMetricsBackend | None = None
+def make_client(engine: FakeEngine, metrics_backend: FakeMetricsBackend | None = None, **ingress_options: Any
                 ) -> tuple[TestClient, OpenAIIngress]:
     from monitoring.exporter import MetricsExporter
 
     exporter = MetricsExporter(backend=metrics_backend or FakeMetricsBackend())
-    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer(), metrics=exporter)
+    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer(), metrics=exporter,
+                            **ingress_options)
 
     async def endpoint(request):
         return await ingress(request)

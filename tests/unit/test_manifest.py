@@ -350,3 +350,12 @@ def test_kv_pool_segment_below_mooncakes_minimum_is_refused():
 def test_fractional_cpu_kv_cache_is_refused_before_vllm_fails_on_it():
     error = broken(LOCAL, lambda d: d["pools"][0]["engine"].update(cpu_kvcache_space_gib=0.5))
     assert "cpu_kvcache_space_gib" in str(error)
+
+
+def test_admission_limits_follow_the_serving_pool_at_its_largest_and_split_over_ingress_replicas():
+    manifest = load_manifest(next(p for p in MANIFESTS if p.name == "local-autoscaling.yaml"))
+    decode = manifest.pool_with_role(PoolRole.decode)
+    limits = manifest.admission.limits_per_ingress(decode, ingress_replicas=2)
+    engines = decode.autoscaling.max_replicas * decode.ranks_per_replica
+    assert limits["max_running"] == -(-engines * decode.engine.max_num_seqs // 2)
+    assert limits["max_queued"] == -(-engines * manifest.admission.max_queued_per_replica // 2)
