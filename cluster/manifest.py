@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
-from cluster.manifest_routing import AdmissionSpec
+from cluster.manifest_routing import AdmissionSpec, RoutingSpec
 
 _LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
 
@@ -146,6 +146,8 @@ class PoolSpec(_Strict):
     autoscaling: PoolAutoscalingSpec | None = None
     """Let the autoscaler size this pool between min_replicas and max_replicas (groups, for
     expert-parallel pools). Give it to every pool or to none."""
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    """Which replica serves each request: serve_default, round_robin, least_loaded or prefix."""
 
     @property
     def ranks_per_replica(self) -> int:

@@ -1,10 +1,12 @@
-"""The manifest's admission section: how many requests may wait for the engines before the
+"""The manifest's routing and admission sections.
+
+Admission: how many requests may wait for the engines before the
 ingress answers 429 at once (a bounded queue, never an unbounded one or a storm of timeouts)."""
 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,3 +36,28 @@ class AdmissionSpec(_Strict):
         return {"max_running": math.ceil(engines * serving_pool.engine.max_num_seqs / ingress_replicas),
                 "max_queued": math.ceil(engines * self.max_queued_per_replica / ingress_replicas),
                 "max_retry_s": self.max_retry_after_s}
+
+
+class RoutingSpec(_Strict):
+    """How requests pick a replica of this pool (deployments/routing/policies.py states each rule)."""
+
+    policy: Literal["serve_default", "round_robin", "least_loaded", "prefix"] = "serve_default"
+    """serve_default: Ray Serve's power of two choices on queue length; round_robin; least_loaded
+    (power of two choices on our counts plus the engine's reported queue); prefix: cache- and
+    load-aware (the replica holding the longest prefix of the prompt, within the load gate)."""
+    imbalance_abs: Annotated[float, Field(ge=0)] = 8
+    """prefix: the load gate opens (least loaded wins) when loads differ by more than this many
+    requests and by more than `imbalance_rel` times."""
+    imbalance_rel: Annotated[float, Field(ge=1)] = 1.5
+    session_slack: Annotated[float, Field(ge=0)] = 4
+    """prefix: a session stays on its replica while that one carries at most this many requests
+    more than the least loaded."""
+    stats_period_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    """How often each replica reports its engine's queue, KV usage and epoch to the routers."""
+
+    def router_kwargs(self, block_size: int, capacity_blocks: int) -> dict:
+        options = {"policy": self.policy, "block_size": block_size}
+        if self.policy == "prefix":
+            options.update(capacity_blocks=capacity_blocks, imbalance_abs=self.imbalance_abs,
+                           imbalance_rel=self.imbalance_rel, session_slack=self.session_slack)
+        return options

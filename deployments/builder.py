@@ -19,6 +19,8 @@ from deployments.llm_server import LLMServer
 from deployments.openai_ingress import OpenAIIngress
 
 INGRESS_DEPLOYMENT = "openai-ingress"
+DEFAULT_BLOCK_SIZE = 16  # the router's prefix granularity where the manifest sets no engine block size
+FALLBACK_CAPACITY_BLOCKS = 4096  # the model's KV size per token is unknown
 
 
 def engine_env(manifest: Manifest, pool: PoolSpec) -> dict[str, str]:
@@ -125,6 +127,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
         return serve.deployment(ExpertParallelGroup).options(
             name=pool.name,
             **replica_count_options(manifest, pool),
+            **routing_options(manifest, pool, model_path),
             max_ongoing_requests=pool.engine.max_num_seqs * 4 * pool.expert_parallel.size,
             # Short period: a group with a dead rank fails its requests at once but only
             # leaves the pool when Serve's health check notices.
@@ -137,6 +140,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
     return serve.deployment(LLMServer).options(
         name=pool.name,
         **replica_count_options(manifest, pool),
+        **routing_options(manifest, pool, model_path),
         ray_actor_options=engine_actor_options(manifest, pool),
         # Admit more than one engine step's worth so the engine's own scheduler batches them.
         max_ongoing_requests=pool.engine.max_num_seqs * 4,
@@ -145,6 +149,38 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
         graceful_shutdown_timeout_s=5,
     ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool=pool.name,
            metrics=manifest.observability.metrics)
+
+
+def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict[str, Any]:
+    """Serve's request router for the pool's routing policy (none: Serve's default router)."""
+    if pool.routing.policy == "serve_default":
+        return {}
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.routing.serve_router import PolicyRequestRouter
+
+    block_size = pool.engine.block_size or DEFAULT_BLOCK_SIZE
+    kwargs = pool.routing.router_kwargs(block_size, engine_capacity_blocks(manifest, pool, model_path, block_size))
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=PolicyRequestRouter, request_router_kwargs=kwargs,
+        request_routing_stats_period_s=pool.routing.stats_period_s)}
+
+
+def engine_capacity_blocks(manifest: Manifest, pool: PoolSpec, model_path: str, block_size: int) -> int:
+    """KV blocks one engine of the pool holds (the router's estimate of what its cache keeps)."""
+    override = pool.engine.extra_args.get("num_gpu_blocks_override")
+    if override:
+        return int(override)
+    from pathlib import Path
+
+    from cluster.model_facts import read_model_facts
+    from cluster.plan import make_plan
+
+    facts = read_model_facts(Path(model_path), manifest.model.dtype, model_name=manifest.model.name,
+                             quantization=manifest.model.quantization)
+    plan = next(p for p in make_plan(manifest, facts).pools if p.name == pool.name)
+    tokens = plan.kv_cache_tokens_per_replica
+    return max(tokens // block_size, 1) if tokens else FALLBACK_CAPACITY_BLOCKS
 
 
 def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = None) -> Application:

@@ -57,6 +57,10 @@ class DisaggregatedEngineClient:
         admitted = False
         try:
             async for item in self._decode.stream(replace(request, kv_transfer_params=params)):
+                if not admitted and isinstance(item, TokenDelta):
+                    # Decode loaded the whole prompt; what the request did not compute is what
+                    # the prefill did not compute.
+                    item = replace(item, cached_tokens=getattr(prefill, "cached_tokens", 0))
                 admitted = True
                 yield item
         finally:

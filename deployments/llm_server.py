@@ -114,14 +114,16 @@ class LLMServer:
         prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
                                         SamplingSpec(max_tokens=1, temperature=0.0), prefill_request_params())
         final = None
+        cached_tokens = 0
         async for item in self.generate(prefill_request):
             if isinstance(item, EngineFailure):
                 return item
             final = item
+            cached_tokens = item.cached_tokens if item.cached_tokens is not None else cached_tokens
         if final is None or not is_transfer(final.kv_transfer_params):
             return EngineFailure("prefill finished without KV transfer parameters", retriable=True)
         return PrefillResult(final.kv_transfer_params, final.prompt_tokens, time.monotonic() - started,
-                             final.kv_load.pool_s if final.kv_load else 0.0)
+                             final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens)
 
     async def release(self, transfer_params: dict) -> None:
         """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""
@@ -136,6 +138,15 @@ class LLMServer:
             self._stats.kv_transfer = await asyncio.to_thread(
                 self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
         return self._stats
+
+    def record_routing_stats(self) -> dict:
+        """Serve asks every `routing.stats_period_s`; our request router reads it. The epoch names
+        this engine: a new one means an empty prefix cache, whatever was routed here before."""
+        stats = {"epoch": self._stats.replica_id, "in_flight": len(self._in_flight), "at_s": time.time()}
+        scheduler = getattr(self._engine, "scheduler", None)
+        if scheduler is not None:
+            stats.update(waiting=scheduler.waiting, kv_usage=scheduler.kv_cache_usage)
+        return stats
 
     def _ensure_exporting(self) -> None:
         """Started on first use: the constructor may run outside the replica's event loop."""

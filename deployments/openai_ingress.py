@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
 # Routes whose requests are counted and timed (monitoring/request_metrics.py), by metric label.
+# A client's conversation id: requests carrying the same one prefer the same engine replica
+# (session affinity of the prefix routing policy), unless that replica is overloaded.
+SESSION_HEADER = "X-Session-Id"
 GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
                      ("POST", "/v1/chat/completions"): "chat_completions"}
 
@@ -126,7 +129,8 @@ class OpenAIIngress:
                                   f"[0, {self._tokenizer.vocab_size})", param="prompt")
             prompt_ids = list(body.prompt)
         return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl", trace=trace,
-                                    options=_test_options(request), priority=self._priority(request))
+                                    options=_test_options(request), priority=self._priority(request),
+                                    session_id=request.headers.get(SESSION_HEADER))
 
     async def _chat_completions(self, request: Request, trace: Any) -> Response:
         body = parse_request(ChatCompletionRequest, await self._json_body(request))
@@ -134,7 +138,8 @@ class OpenAIIngress:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = self._tokenizer.encode_chat(messages)
         return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl",
-                                    trace=trace, options=_test_options(request), priority=self._priority(request))
+                                    trace=trace, options=_test_options(request), priority=self._priority(request),
+                                    session_id=request.headers.get(SESSION_HEADER))
 
     # -- shared path --------------------------------------------------------------------------
 
@@ -173,7 +178,8 @@ class OpenAIIngress:
         return max_tokens
 
     async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
-                        prefix: str, trace: Any, options: dict | None = None, priority: str = "normal") -> Response:
+                        prefix: str, trace: Any, options: dict | None = None, priority: str = "normal",
+                        session_id: str | None = None) -> Response:
         sampling = SamplingSpec(
             max_tokens=self._budget(len(prompt_ids), max_tokens),
             temperature=float(body.temperature), top_p=float(body.top_p), top_k=max(body.top_k, 0),
@@ -189,7 +195,8 @@ class OpenAIIngress:
         )
         self._admit(priority)
         trace.dispatch()
-        stream = self._engine.stream(EngineRequest(request_id, prompt_ids, sampling), trace=trace, **(options or {}))
+        engine_request = EngineRequest(request_id, prompt_ids, sampling, session_id=session_id)
+        stream = self._engine.stream(engine_request, trace=trace, **(options or {}))
         if self._gate is not None:
             stream = self._released_when_done(stream)
         if body.stream:
@@ -233,6 +240,7 @@ class OpenAIIngress:
                 if isinstance(item, EngineFailure):
                     raise server_error(item.message, retriable=item.retriable)
                 trace.on_delta(item)
+                ctx.note(item)
                 text.append(item.text)
                 token_ids.extend(item.token_ids)
                 finish_reason = item.finish_reason or finish_reason
@@ -255,6 +263,7 @@ class OpenAIIngress:
                     yield out.sse(server_error(item.message, retriable=item.retriable).body())
                     break
                 trace.on_delta(item)
+                ctx.note(item)
                 completion_tokens = item.completion_tokens
                 if item.text or item.token_ids or item.finish_reason or (is_first and ctx.chat):
                     yield out.sse(out.stream_chunk(ctx, item.text, item.token_ids, item.finish_reason, first=is_first))

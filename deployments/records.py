@@ -35,6 +35,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     kv_transfer_params: dict | None = None  # decode: where to pull the prompt's KV (TransferParams)
+    session_id: str | None = None  # the client's conversation, for session-affine routing
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,14 @@ class TokenDelta:
     kv_transfer_params: dict | None = None  # prefill: set on the final delta (TransferParams)
     engine_timing: "EngineTiming | None" = None  # on the first delta (when the engine logs stats)
     kv_load: LoadTiming | None = None  # on the final delta, when the engine loaded KV it did not compute
+    cached_tokens: int | None = None  # on the first delta: prompt tokens not computed (prefix cache, pool, peer)
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by a later one of the same request, as one delta."""
         return TokenDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
                           later.prompt_tokens, later.completion_tokens, later.kv_transfer_params,
-                          self.engine_timing or later.engine_timing, later.kv_load or self.kv_load)
+                          self.engine_timing or later.engine_timing, later.kv_load or self.kv_load,
+                          self.cached_tokens if self.cached_tokens is not None else later.cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class PrefillResult:
     prompt_tokens: int
     prefill_s: float
     pool_load_s: float = 0.0  # of prefill_s: reading prompt blocks from the KV pool
+    cached_tokens: int = 0  # prompt tokens the prefill did not compute (its prefix cache, the pool)
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ class VLLMEngine:
                 kv_transfer_params=output.kv_transfer_params if output.finished else None,
                 engine_timing=engine_timing(output) if first else None,
                 kv_load=LoadTiming.from_engine(output.kv_transfer_params) if output.finished else None,
+                cached_tokens=(output.num_cached_tokens or 0) if first else None,
             )
             first = False
 

@@ -4,6 +4,7 @@ release of a prefill's lease when decode never starts."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -75,10 +76,11 @@ async def _drain(stream):
 
 
 def test_decode_gets_the_prefill_params(monkeypatch):
-    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01, cached_tokens=2))
     decode = FakeDecodeClient([DELTA])
     out = asyncio.run(_drain(_client(prefill, decode, monkeypatch).stream(REQUEST)))
-    assert out == [DELTA]
+    # Decode loaded the whole prompt; the tokens the request did not compute are the prefill's.
+    assert out == [replace(DELTA, cached_tokens=2)]
     assert decode.requests[0].kv_transfer_params == PARAMS
     assert decode.requests[0].prompt_token_ids == [1, 2, 3]
     assert prefill.released == []  # decode pulled and released itself

@@ -1,0 +1,57 @@
+"""The Serve adapter's translation of Serve's objects into routing records, the replica's
+routing report, and cached-token accounting in OpenAI usage."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+from deployments.openai_responses import ResponseContext, full_response, usage_chunk
+from deployments.records import EngineRequest, SamplingSpec
+from deployments.routing.block_hashes import prompt_block_hashes
+from deployments.routing.serve_router import replica_state, routing_request
+from tests.unit.ingress_fakes import HELLO, MODEL, FakeEngine, make_client
+
+
+def pending(*args):
+    return SimpleNamespace(args=list(args), kwargs={})
+
+
+def test_a_generate_call_is_routed_by_its_prompt_blocks_and_session():
+    request = EngineRequest("r1", list(range(40)), SamplingSpec(max_tokens=4), session_id="chat-7")
+    routed = routing_request(pending(request), block_size=16, max_blocks=100)
+    assert routed.block_hashes == prompt_block_hashes(list(range(40)), 16) and routed.blocks == 2
+    assert routed.session_id == "chat-7"
+    assert routing_request(pending(request), 16, max_blocks=1).blocks == 1
+
+
+def test_calls_without_a_prompt_are_not_prefix_routed():
+    assert routing_request(None, 16, 10) is None
+    assert routing_request(pending(), 16, 10) is None
+    assert routing_request(pending({"remote_host": "h"}), 16, 10) is None  # a lease release
+
+
+def test_a_replica_report_becomes_a_replica_state():
+    replica = SimpleNamespace(replica_id=SimpleNamespace(unique_id="abc"),
+                              routing_stats={"waiting": 3, "kv_usage": 0.5, "at_s": 12.0, "epoch": "e1"})
+    assert replica_state(replica, 2) == replica_state(replica, 2)
+    state = replica_state(replica, 2)
+    assert (state.replica_id, state.ongoing, state.queued, state.kv_usage, state.reported_at_s, state.epoch) == \
+        ("abc", 2, 3, 0.5, 12.0, "e1")
+    fresh = replica_state(SimpleNamespace(replica_id=SimpleNamespace(unique_id="new"), routing_stats={}), None)
+    assert (fresh.ongoing, fresh.queued, fresh.reported_at_s) == (0, 0, None)
+
+
+def test_usage_reports_cached_prompt_tokens_as_openai_does():
+    ctx = ResponseContext("id", "m", chat=False, prompt_token_ids=[1] * 40)
+    assert "prompt_tokens_details" not in full_response(ctx, "x", [5], "stop")["usage"]
+    ctx.note(replace(HELLO[0], cached_tokens=32))
+    ctx.note(replace(HELLO[1], cached_tokens=0))  # only the first delta's count stands
+    assert full_response(ctx, "x", [5], "stop")["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert usage_chunk(ctx, 1)["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+def test_the_ingress_returns_the_engines_cached_token_count():
+    engine = FakeEngine(script=[replace(HELLO[0], cached_tokens=16), *HELLO[1:]])
+    client, _ = make_client(engine)
+    with client:
+        body = client.post("/v1/completions", json={"model": MODEL["name"], "prompt": "hi"}).json()
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
