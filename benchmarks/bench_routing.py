@@ -1,0 +1,227 @@
+"""Routing policies side by side on one multi-turn trace, plus admission under a 3x burst.
+
+    .venv/bin/python -m benchmarks.bench_routing --rounds 2
+
+Three applications of one colocated layout (two vLLM engine replicas, prefix cache on) run
+on one local cluster, differing only in `routing.policy`: serve_default (Ray Serve's power of
+two choices), round_robin and prefix (ours, cache- and load-aware). Rounds alternate between
+them with a fresh trace each round. Trace: conversations, each with its own context document
+after a shared system prompt, asked several questions in turn; every turn sends the whole
+history (as token ids) with think time between turns. Reported per policy: the share of
+reusable prompt tokens the engine found cached (OpenAI usage.prompt_tokens_details), TTFT
+p50/p90/p99 of turns 2+, goodput (turns within the TTFT SLO per second), and the pure policy's
+own decision latency (p50/p99 over synthetic 8-replica states). Then a burst of three times
+the admission bound at the prefix application: how fast the excess gets its 429.
+Writes benchmarks/results/routing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+HTTP_PORT = 8000
+VOCAB = (3, 600)
+POLICIES = ("serve_default", "round_robin", "prefix")
+BLOCK = 128  # vLLM's CPU block size: only full blocks are cached
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def app_manifest(policy: str, args) -> dict:
+    data = yaml.safe_load((REPO / "manifests" / "local.yaml").read_text())
+    data["name"] = f"route-{policy.replace('_', '-')}"
+    data["model"]["max_model_len"] = 4096
+    data["http"].update(route_prefix=f"/{data['name']}", port=HTTP_PORT)
+    data["kv_pool"] = {"enabled": False}
+    data["admission"] = {"max_queued_per_replica": args.queued_per_replica}
+    decode = data["pools"][1]
+    decode.pop("expert_parallel")
+    engine = {**decode["engine"], "enable_prefix_caching": True, "max_num_seqs": args.max_num_seqs,
+              "extra_args": {"num_gpu_blocks_override": args.engine_blocks}}
+    data["pools"] = [{**decode, "name": "engine", "role": "colocated", "replicas": 2, "engine": engine,
+                      "placement": {"num_cpus": 1}, "routing": {"policy": policy}}]
+    return data
+
+
+def make_trace(args, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    system = [rng.randrange(*VOCAB) for _ in range(args.system_tokens)]
+    return [{"prefix": system + [rng.randrange(*VOCAB) for _ in range(args.document_tokens)],
+             "questions": [[rng.randrange(*VOCAB) for _ in range(args.question_tokens)] for _ in range(args.turns)]}
+            for _ in range(args.conversations)]
+
+
+async def conversation(client, url: str, model: str, conv: dict, args, delay_s: float) -> list[dict]:
+    await asyncio.sleep(delay_s)
+    history, turns = list(conv["prefix"]), []
+    for index, question in enumerate(conv["questions"]):
+        prompt = history + question
+        started = time.perf_counter()
+        first_s, answer, cached = None, [], None
+        async with client.stream("POST", f"{url}/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    cached = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+                for choice in chunk.get("choices", []):
+                    if choice.get("token_ids"):
+                        first_s = first_s if first_s is not None else time.perf_counter() - started
+                        answer += choice["token_ids"]
+        reusable = ((len(history) - 1) // BLOCK) * BLOCK if index else 0  # the answer's last token is never fed back
+        turns.append({"turn": index, "ttft_s": first_s, "cached": cached or 0, "reusable": reusable})
+        history = prompt + answer
+        await asyncio.sleep(args.think_s)
+    return turns
+
+
+async def run_round(url: str, model: str, trace: list[dict], args) -> dict:
+    import httpx
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        per = await asyncio.gather(*(conversation(client, url, model, c, args, i * args.stagger_s)
+                                     for i, c in enumerate(trace)))
+    seconds = time.perf_counter() - started
+    later = [t for turns in per for t in turns if t["turn"] > 0]
+    ttft = sorted(t["ttft_s"] * 1e3 for t in later)
+    reusable = sum(t["reusable"] for t in later)
+    return {"hit_share": sum(min(t["cached"], t["reusable"]) for t in later) / reusable,
+            "ttft_p50_ms": ttft[len(ttft) // 2], "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
+            "ttft_p99_ms": ttft[int(0.99 * (len(ttft) - 1))],
+            "goodput_per_s": sum(1 for t in per for t in t if t["ttft_s"] * 1e3 <= args.ttft_slo_ms) / seconds}
+
+
+def decision_latency(samples: int = 5000) -> dict:
+    """The pure prefix policy's own cost: 8 replicas with full indices, 256-block prompts."""
+    from deployments.routing.policies import PrefixAware
+    from deployments.routing.state import ReplicaState, RoutingRequest
+
+    rng = random.Random(0)
+    policy = PrefixAware(capacity_blocks=4096)
+    prompts = [tuple(rng.getrandbits(63) for _ in range(256)) for _ in range(64)]
+    replicas = [ReplicaState(f"r{i}", ongoing=rng.randrange(8), reported_at_s=0.0) for i in range(8)]
+    times = []
+    for index in range(samples):
+        request = RoutingRequest(prompts[index % len(prompts)][:rng.randrange(16, 256)])
+        started = time.perf_counter()
+        policy.choose(request, replicas, 1.0)
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6}
+
+
+async def burst(url: str, model: str, count: int) -> dict:
+    import httpx
+
+    async def one(client, index):
+        started = time.perf_counter()
+        response = await client.post(f"{url}/v1/completions", json={
+            "model": model, "prompt": [3 + index % 500] * 64, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+        return response.status_code, time.perf_counter() - started
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=count)) as client:
+        results = await asyncio.gather(*(one(client, i) for i in range(count)))
+    rejected = sorted(s for code, s in results if code == 429)
+    admitted = sorted(s for code, s in results if code == 200)
+    return {"requests": count, "admitted": len(admitted), "rejected": len(rejected),
+            "other": count - len(admitted) - len(rejected),
+            "reject_p50_ms": rejected[len(rejected) // 2] * 1e3 if rejected else None,
+            "reject_p99_ms": rejected[int(0.99 * (len(rejected) - 1))] * 1e3 if rejected else None,
+            "admitted_p50_s": admitted[len(admitted) // 2] if admitted else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--document-tokens", type=int, default=1024)
+    parser.add_argument("--question-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--think-s", type=float, default=1.0)
+    parser.add_argument("--stagger-s", type=float, default=0.5)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--queued-per-replica", type=int, default=8)
+    parser.add_argument("--engine-blocks", type=int, default=256, help="each engine's KV cache, 128-token blocks")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000)
+    parser.add_argument("--out", default=str(RESULTS / "routing.json"))
+    args = parser.parse_args()
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from cluster.local_cluster import LocalCluster
+    from cluster.manifest import parse_manifest
+    from cluster.serve_control import connect, deploy
+
+    apps = {policy: parse_manifest(app_manifest(policy, args), policy) for policy in POLICIES}
+    cluster = LocalCluster(apps["prefix"].local_cluster).start(progress=_log)
+    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    try:
+        connect(cluster.address)
+        urls = {policy: deploy(manifest, progress=_log).url for policy, manifest in apps.items()}
+        model = apps["prefix"].model.name
+        for index in range(args.rounds):
+            for policy in POLICIES:
+                summary = asyncio.run(run_round(urls[policy], model, make_trace(args, seed=100 + index), args))
+                results[policy].append(summary)
+                _log(f"round {index + 1} {policy}: hit {summary['hit_share']:.0%}, TTFT p50 {summary['ttft_p50_ms']:.0f} ms")
+        bound = 2 * (args.max_num_seqs + args.queued_per_replica)
+        overload = asyncio.run(burst(urls["prefix"], model, 3 * bound))
+    finally:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+    decisions = decision_latency()
+    rows = [("reusable prompt tokens found cached (turns 2+)", "hit_share", "{:.0%}"),
+            ("TTFT p50 ms (turns 2+)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 ms (turns 2+)", "ttft_p90_ms", "{:.0f}"),
+            ("TTFT p99 ms (turns 2+)", "ttft_p99_ms", "{:.0f}"), ("goodput (turns in TTFT SLO)/s", "goodput_per_s", "{:.2f}")]
+    print(f"\ntrace: {args.conversations} conversations x {args.turns} turns, {args.system_tokens}-token shared system "
+          f"prompt + {args.document_tokens}-token document each, {args.question_tokens}-token questions, "
+          f"{args.output_tokens} output tokens; 2 engine replicas of {args.engine_blocks * BLOCK:,} KV tokens each; "
+          f"median of {args.rounds} rounds per policy, alternating\n")
+    print("| metric | " + " | ".join(POLICIES) + " | prefix / round_robin |\n|---|" + "---:|" * (len(POLICIES) + 1))
+    table = {}
+    for label, key, fmt in rows:
+        values = {p: statistics.median(r[key] for r in results[p]) for p in POLICIES}
+        table[label] = values
+        ratio = values["prefix"] / values["round_robin"] if values["round_robin"] else float("nan")
+        print(f"| {label} | " + " | ".join(fmt.format(values[p]) for p in POLICIES) + f" | {ratio:.2f} |")
+    print(f"\nprefix policy decision: p50 {decisions['p50_us']:.0f} us, p99 {decisions['p99_us']:.0f} us "
+          "(8 replicas, 4096-block indices, prompts up to 256 blocks)")
+    print(f"burst of {overload['requests']} at once (3x the admission bound of {bound}): {overload['admitted']} admitted, "
+          f"{overload['rejected']} got 429 (p50 {overload['reject_p50_ms']:.0f} ms, p99 {overload['reject_p99_ms']:.0f} ms), "
+          f"{overload['other']} other")
+    out = Path(args.out)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "decision": decisions,
+                               "burst": overload, "raw": results}, indent=1, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
