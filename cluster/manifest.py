@@ -204,6 +204,10 @@ class KVTransferSpec(_Strict):
     """On a failed pull: recompute the prompt on decode (same output, slower), or fail the request."""
     allow_fault_injection: bool = False
     """Honour the X-Moe-Serve-Inject-KV-Failure: 1 request header (tests only)."""
+    local_prefill_below_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 0
+    """Conditional disaggregation: prompts shorter than this are prefilled by decode itself (no
+    remote prefill, no transfer: shipping a few blocks costs more than computing them where they
+    are needed). 0: every prompt goes through the prefill pool."""
 
 
 class KVPoolSpec(_Strict):

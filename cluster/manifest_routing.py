@@ -55,8 +55,8 @@ class RoutingSpec(_Strict):
     stats_period_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     """How often each replica reports its engine's queue, KV usage and epoch to the routers."""
 
-    def router_kwargs(self, block_size: int, capacity_blocks: int) -> dict:
-        options = {"policy": self.policy, "block_size": block_size}
+    def router_kwargs(self, pool: str, block_size: int, capacity_blocks: int, metrics: bool = True) -> dict:
+        options = {"policy": self.policy, "block_size": block_size, "pool": pool, "metrics": metrics}
         if self.policy == "prefix":
             options.update(capacity_blocks=capacity_blocks, imbalance_abs=self.imbalance_abs,
                            imbalance_rel=self.imbalance_rel, session_slack=self.session_slack)

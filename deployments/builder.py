@@ -160,7 +160,8 @@ def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict
     from deployments.routing.serve_router import PolicyRequestRouter
 
     block_size = pool.engine.block_size or DEFAULT_BLOCK_SIZE
-    kwargs = pool.routing.router_kwargs(block_size, engine_capacity_blocks(manifest, pool, model_path, block_size))
+    kwargs = pool.routing.router_kwargs(pool.name, block_size, engine_capacity_blocks(manifest, pool, model_path, block_size),
+                                        metrics=manifest.observability.metrics)
     return {"request_router_config": RequestRouterConfig(
         request_router_class=PolicyRequestRouter, request_router_kwargs=kwargs,
         request_routing_stats_period_s=pool.routing.stats_period_s)}
@@ -213,4 +214,5 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
     ).bind(engine, model, http, model_path, prefill=prefill,
            allow_fault_injection=manifest.kv_transfer.allow_fault_injection, slo=manifest.slo.model_dump(),
            metrics=manifest.observability.metrics, admission=admission_limits,
-           priority_header=admission.priority_header)
+           priority_header=admission.priority_header,
+           local_prefill_below_tokens=manifest.kv_transfer.local_prefill_below_tokens)

@@ -28,14 +28,25 @@ logger = logging.getLogger(__name__)
 
 
 class DisaggregatedEngineClient:
-    def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False):
+    def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False,
+                 local_prefill_below_tokens: int = 0, on_decision: Any = None):
+        """`on_decision(reason)`: told for each request whether its prefill ran remotely ("remote")
+        or on decode ("local_short_prompt")."""
         self._prefill = prefill_handle
         self._decode = HandleEngineClient(decode_handle)
         self._allow_fault_injection = allow_fault_injection
+        self._local_below = local_prefill_below_tokens
+        self._on_decision = on_decision or (lambda reason: None)
 
     async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False,
                      trace: Any = None) -> AsyncIterator[TokenDelta | EngineFailure]:
         """`trace`: the ingress's monitoring.request_metrics.RequestTrace, told when prefill is done."""
+        if len(request.prompt_token_ids) < self._local_below:
+            self._on_decision("local_short_prompt")
+            async for item in self._decode.stream(request):
+                yield item
+            return
+        self._on_decision("remote")
         prefill_task = asyncio.ensure_future(self._prefill.prefill.remote(request))
         try:
             prefill = await asyncio.shield(prefill_task)

@@ -38,7 +38,8 @@ GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
 class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
                  prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
-                 metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority"):
+                 metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority",
+                 local_prefill_below_tokens: int = 0):
         """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
         metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter;
         admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything."""
@@ -50,7 +51,9 @@ class OpenAIIngress:
         if prefill is not None:
             from deployments.disagg_client import DisaggregatedEngineClient
 
-            self._engine = DisaggregatedEngineClient(prefill, engine, allow_fault_injection=allow_fault_injection)
+            self._engine = DisaggregatedEngineClient(
+                prefill, engine, allow_fault_injection=allow_fault_injection,
+                local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision)
         else:
             self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]
@@ -64,6 +67,7 @@ class OpenAIIngress:
         self._metrics = RequestMetrics(metrics,
                                        ttft_slo_s=slo["ttft_ms"] / 1e3, itl_slo_s=slo["itl_ms"] / 1e3,
                                        disaggregated=prefill is not None)
+        self._exporter = metrics
         self._gate = AdmissionGate(AdmissionLimits(**admission)) if admission else None
         self._priority_header = priority_header
         self._routes = {
@@ -207,6 +211,11 @@ class OpenAIIngress:
             return StreamingResponse(self._sse(ctx, first, stream, trace), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         return await self._collect(ctx, stream, trace)
+
+    def _count_prefill_decision(self, reason: str) -> None:
+        from monitoring import metrics as m
+
+        self._exporter.inc(m.ROUTING_DECISIONS, pool="prefill", policy="conditional_disaggregation", reason=reason)
 
     def _priority(self, request: Request) -> str:
         return request.headers.get(self._priority_header, "normal").strip().lower()

@@ -70,7 +70,12 @@ def pools() -> Dashboard:
             .with_panel(_panel("Waiting in engine schedulers per pool", q.ENGINE_WAITING_BY_POOL))
             .with_panel(_panel("vLLM KV cache usage", q.KV_CACHE_USAGE))
             .with_panel(_panel("Queued at Serve handles", q.SERVE_QUEUED))
-            .with_panel(_panel("Replica starts (10 min)", q.REPLICA_STARTS)))
+            .with_panel(_panel("Replica starts (10 min)", q.REPLICA_STARTS))
+            .with_row(Row("Routing and admission"))
+            .with_panel(_panel("Prompt tokens served from cache, and the router's expectation",
+                               q.PROMPT_CACHE_HIT, q.ROUTER_EXPECTED_HIT))
+            .with_panel(_panel("Routing decisions by reason", q.ROUTING_DECISION_RATE))
+            .with_panel(_panel("Rejected by admission control (429)", q.ADMISSION_REJECTIONS)))
 
 
 def kv_transfer() -> Dashboard:

@@ -53,7 +53,7 @@ class Phase(str, Enum):
 
 REQUESTS = MetricDef("moe_serve_requests_total", Kind.counter,
                      "Requests answered by the OpenAI ingress, by route and outcome "
-                     "(ok, client_error, server_error, cancelled).", ("route", "outcome"))
+                     "(ok, client_error, rejected: 429 by admission control, server_error, cancelled).", ("route", "outcome"))
 REQUEST_E2E = MetricDef("moe_serve_request_e2e_seconds", Kind.histogram,
                         "End-to-end latency of successful requests at the ingress (body received -> "
                         "response complete).", ("route",), LATENCY_BUCKETS)
@@ -77,6 +77,17 @@ PROMPT_TOKENS = MetricDef("moe_serve_prompt_tokens_total", Kind.counter, "Prompt
                           ("route",))
 GENERATION_TOKENS = MetricDef("moe_serve_generation_tokens_total", Kind.counter,
                               "Tokens generated for served requests.", ("route",))
+PROMPT_CACHED_TOKENS = MetricDef("moe_serve_prompt_cached_tokens_total", Kind.counter,
+                                 "Prompt tokens of served requests the engines did not compute (prefix cache, "
+                                 "KV pool; in P/D the prefill's count): the cache hits routing aims for.", ("route",))
+ROUTING_DECISIONS = MetricDef("moe_serve_routing_decisions_total", Kind.counter,
+                              "Replica choices of our request routers, by pool, policy and reason (prefix, "
+                              "load_gate, session, least_loaded, round_robin, only_replica).",
+                              ("pool", "policy", "reason"))
+ROUTING_PROMPT_BLOCKS = MetricDef("moe_serve_routing_prompt_blocks_total", Kind.counter,
+                                  "Full prompt blocks of routed requests, and of those the blocks the router "
+                                  "expected the chosen replica to hold (kind: routed, expected_hit).",
+                                  ("pool", "kind"))
 SLO_MET = MetricDef("moe_serve_requests_within_slo_total", Kind.counter,
                     "Successful requests whose TTFT and mean inter-token latency met the manifest's SLO "
                     "(goodput).", ("route",))
@@ -149,6 +160,7 @@ AUTOSCALER_LAST_DECISION = MetricDef("moe_serve_autoscaler_last_decision_timesta
 
 CATALOGUE: tuple[MetricDef, ...] = (
     REQUESTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
+    PROMPT_CACHED_TOKENS, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS,
     ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
     KV_POOL_LOOKUP_BLOCKS, KV_POOL_BLOCKS, KV_POOL_BYTES, KV_POOL_SECONDS, KV_POOL_FAILURES, KV_POOL_UP,

@@ -92,6 +92,23 @@ REPLICA_STARTS = Query("replica_starts",
                        f"sum by (deployment) ({recent_increase('ray_serve_deployment_replica_starts_total')})",
                        "{{deployment}}", "short", "Replica starts in the last 10 minutes")
 
+# -- routing -------------------------------------------------------------------------------------
+PROMPT_CACHE_HIT = Query(
+    "prompt_cache_hit",
+    f"sum(rate({series(m.PROMPT_CACHED_TOKENS)}[{RATE_WINDOW}])) / sum(rate({series(m.PROMPT_TOKENS)}[{RATE_WINDOW}]))",
+    "served from cache", "percentunit", "Share of prompt tokens the engines did not compute")
+ROUTER_EXPECTED_HIT = Query(
+    "router_expected_hit",
+    f"sum by (pool) (rate({series(m.ROUTING_PROMPT_BLOCKS)}{{kind=\"expected_hit\"}}[{RATE_WINDOW}])) / "
+    f"sum by (pool) (rate({series(m.ROUTING_PROMPT_BLOCKS)}{{kind=\"routed\"}}[{RATE_WINDOW}]))",
+    "{{pool}} expected by the router", "percentunit", "Share of prompt blocks the router expected to hit")
+ROUTING_DECISION_RATE = Query(
+    "routing_decisions", f"sum by (pool, reason) (rate({series(m.ROUTING_DECISIONS)}[{RATE_WINDOW}]))",
+    "{{pool}} {{reason}}", "reqps", "Routing decisions by reason")
+ADMISSION_REJECTIONS = Query(
+    "admission_rejections", f"sum(rate({series(m.REQUESTS)}{{outcome=\"rejected\"}}[{RATE_WINDOW}]))",
+    "429 rejected", "reqps", "Requests rejected by admission control")
+
 # -- KV pool --------------------------------------------------------------------------------------
 KV_POOL_HIT_RATE = Query(
     "kv_pool_hit_rate",

@@ -26,6 +26,7 @@ class RequestTrace:
     engine_timing: Any = None  # deployments.records.EngineTiming of the first delta
     engine_pool_load_s: float = 0.0  # the (decode or colocated) engine's KV pool reads
     prefill_pool_load_s: float = 0.0  # disaggregated: the prefill engine's KV pool reads
+    cached_tokens: int | None = None  # prompt tokens not computed (the first delta's count)
     phases: dict = field(default_factory=dict)
 
     def dispatch(self) -> None:
@@ -43,6 +44,8 @@ class RequestTrace:
             self.last_token = now
         if self.engine_timing is None and getattr(delta, "engine_timing", None) is not None:
             self.engine_timing = delta.engine_timing
+        if self.cached_tokens is None and getattr(delta, "cached_tokens", None) is not None:
+            self.cached_tokens = delta.cached_tokens
         if getattr(delta, "kv_load", None) is not None:
             self.engine_pool_load_s = delta.kv_load.pool_s
         self.prompt_tokens = delta.prompt_tokens
@@ -87,6 +90,7 @@ class RequestMetrics:
                 exporter.observe(m.REQUEST_PHASE, seconds, phase=phase.value)
                 exporter.inc(m.REQUEST_PHASE_TIME, seconds, phase=phase.value)
             exporter.inc(m.PROMPT_TOKENS, trace.prompt_tokens, route=route)
+            exporter.inc(m.PROMPT_CACHED_TOKENS, trace.cached_tokens or 0, route=route)
             exporter.inc(m.GENERATION_TOKENS, trace.completion_tokens, route=route)
             if ttft <= self._ttft_slo_s and (tpot is None or tpot <= self._itl_slo_s):
                 exporter.inc(m.SLO_MET, route=route)

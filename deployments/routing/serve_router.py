@@ -45,8 +45,12 @@ def replica_state(replica: RunningReplica, in_flight: int | None) -> ReplicaStat
 
 class PolicyRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "prefix", block_size: int = 16, max_blocks: int = 4096,
-                         **options: Any) -> None:
+                         pool: str = "engine", metrics: bool = True, **options: Any) -> None:
+        from monitoring.exporter import MetricsExporter
+
         self.policy_name = policy
+        self.pool = pool
+        self._exporter = MetricsExporter(enabled=metrics)
         self._policy = make_policy(policy, **options)
         self._block_size = block_size
         self._max_blocks = max_blocks
@@ -69,6 +73,14 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         self.decisions[decision.reason] += 1
         self.decision_s.append(time.perf_counter() - started)
         del self.decision_s[:-10_000]
+        self._export(decision, request)
         rest = sorted((s for s in states if s.replica_id != decision.replica_id),
                       key=lambda s: (-decision.scores.get(s.replica_id, 0.0), s.ongoing + s.queued, s.replica_id))
         return [[by_id[decision.replica_id]], *([by_id[s.replica_id]] for s in rest)]
+
+    def _export(self, decision, request: RoutingRequest) -> None:
+        from monitoring import metrics as m
+
+        self._exporter.inc(m.ROUTING_DECISIONS, pool=self.pool, policy=self.policy_name, reason=decision.reason)
+        self._exporter.inc(m.ROUTING_PROMPT_BLOCKS, request.blocks, pool=self.pool, kind="routed")
+        self._exporter.inc(m.ROUTING_PROMPT_BLOCKS, decision.expected_hit_blocks, pool=self.pool, kind="expected_hit")

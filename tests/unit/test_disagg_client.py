@@ -29,8 +29,10 @@ class FakePrefillHandle:
         self.prefill = _Method(self._prefill)
         self.release = _Method(self._release)
         self.check_health = _Method(self._ok)
+        self.calls = 0
 
     async def _prefill(self, request):
+        self.calls += 1
         if isinstance(self.result, Exception):
             raise self.result
         return self.result
@@ -179,3 +181,17 @@ def test_caller_leaving_during_a_failing_prefill_releases_nothing(monkeypatch):
         return prefill.released
 
     assert asyncio.run(scenario()) == []
+
+
+def test_a_prompt_below_the_local_prefill_threshold_skips_the_prefill_pool(monkeypatch):
+    decisions = []
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([DELTA])
+    client = _client(prefill, decode, monkeypatch, local_prefill_below_tokens=4, on_decision=decisions.append)
+    out = asyncio.run(_drain(client.stream(REQUEST)))  # a 3-token prompt
+    assert out == [DELTA] and decisions == ["local_short_prompt"]
+    assert decode.requests[0].kv_transfer_params is None and prefill.calls == 0
+    client = _client(prefill, FakeDecodeClient([DELTA]), monkeypatch, local_prefill_below_tokens=3,
+                     on_decision=decisions.append)
+    asyncio.run(_drain(client.stream(REQUEST)))
+    assert decisions == ["local_short_prompt", "remote"] and prefill.calls == 1
