@@ -56,7 +56,7 @@ def _reference(model_path: Path, out: Path, dtype: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _manifest_data(model: str, colocated: bool) -> dict:
+def _manifest_data(model: str, colocated: bool, pool: bool = False) -> dict:
     data = yaml.safe_load((REPO / "manifests" / MODELS[model][0]).read_text())
     data["name"] = "arch-" + model.removeprefix("tiny-")
     data["http"]["port"] = TEST_HTTP_PORT
@@ -65,6 +65,9 @@ def _manifest_data(model: str, colocated: bool) -> dict:
         decode = next(p for p in data["pools"] if p["role"] == "decode")
         data["pools"] = [{**decode, "name": "engine", "role": "colocated"}]
         data["pools"][0]["engine"]["enable_prefix_caching"] = True
+    if pool:  # P/D of single engines sharing the KV pool (the default app's cores stay free)
+        next(p for p in data["pools"] if p["role"] == "decode").pop("expert_parallel", None)
+        data["kv_pool"] = {"enabled": True, "segment_mib": 64, "local_buffer_mib": 16}
     return data
 
 
@@ -74,8 +77,8 @@ class ArchStack:
         self.app = None
         self.base_url = None
 
-    def deploy(self, colocated: bool) -> None:
-        data = _manifest_data(self.model, colocated)
+    def deploy(self, colocated: bool, pool: bool = False) -> None:
+        data = _manifest_data(self.model, colocated, pool)
         self.app = data["name"]
         started = time.monotonic()
         deploy_test_app(data, f"{self.model} manifest")
@@ -197,3 +200,36 @@ def test_colocated_ep_group_is_token_identical(arch):
     no connector involved, so DeepSeek-V3 must match exactly too."""
     arch.deploy(colocated=True)
     _assert_identical(arch, _outputs(arch))
+
+
+def _pool_counters(arch_stack: ArchStack) -> dict[str, dict]:
+    """Pool counters of prefill and decode once no store is in flight (two equal reads)."""
+    previous = None
+    for _ in range(40):
+        current = {pool: {k: v for k, v in arch_stack.stats(pool).kv_transfer.items() if k.startswith("pool_")}
+                   for pool in ("prefill", "decode")}
+        if current == previous:
+            break
+        previous = current
+        time.sleep(0.5)
+    return current
+
+
+@pytest.mark.parametrize("arch", ["tiny-deepseek-v3"], indirect=True)
+def test_mla_pages_through_the_kv_pool_are_token_identical(arch):
+    """MLA's latent pages in the KV pool: P/D with the pool on both sides. vLLM's CPU MLA backend
+    turns its own prefix cache off, so on the second round every full prompt block either engine
+    reuses can only have come from the pool."""
+    arch.deploy(colocated=False, pool=True)
+    _assert_identical(arch, _outputs(arch))  # first round: computed, stored by prefill and decode
+    before = _pool_counters(arch)
+    assert before["prefill"]["pool_blocks_stored_total"] > 0 and before["prefill"]["pool_up"] == 1
+    _assert_identical(arch, _outputs(arch))  # second round: prompt blocks from the pool
+    after = _pool_counters(arch)
+    block_tokens = MODELS[arch.model][1]
+    prompts = [arch.reference[n]["prompt_token_ids"] for n in ("short", "question", "long", *CHAT_CONVERSATIONS, "long")]
+    full_blocks = sum(len(ids) // block_tokens for ids in prompts)
+    for pool in ("prefill", "decode"):
+        loaded = after[pool]["pool_blocks_loaded_total"] - before[pool]["pool_blocks_loaded_total"]
+        assert loaded >= 0.9 * full_blocks, (pool, loaded, full_blocks)
+        assert after[pool]["pool_load_failures_total"] == before[pool]["pool_load_failures_total"], pool
