@@ -134,6 +134,8 @@ class SchedulerSide:
 
     def record_load_times(self, times: dict[str, LoadTiming]) -> None:
         for request_id, timing in times.items():
+            if timing.pool_failed and self._pool is not None:
+                self._pool.load_failed(request_id)
             known = self._load_times.get(request_id)
             self._load_times[request_id] = timing if known is None else known.slower(timing)
         # A load that ends after its request was aborted is never collected by `finished`.

@@ -225,6 +225,8 @@ class WorkerSide:
                                len(job.pool_blocks), job.request_id, type(exc).__name__, exc,
                                self._settings.failure_policy)
                 with self._lock:
+                    # Tells the scheduler side to store the recomputed blocks at the end.
+                    self._load_times[job.request_id] = LoadTiming(time.monotonic() - started, 0, pool_failed=True)
                     self._finished_recving.add(job.request_id)
                     self._failed_recving.add(job.request_id)
                 if job.params is not None:

@@ -54,12 +54,14 @@ class LoadTiming:
     pool_blocks: int = 0
     pull_s: float = 0.0  # pulled from the prefill's lease
     pull_blocks: int = 0
+    pool_failed: bool = False  # a pool read failed (missing, corrupt, pool down): the engine recomputed
 
     def slower(self, other: "LoadTiming") -> "LoadTiming":
         """Ranks of one engine (tensor parallel) load their shards side by side: the request
         waits for the slowest of them."""
         return LoadTiming(max(self.pool_s, other.pool_s), max(self.pool_blocks, other.pool_blocks),
-                          max(self.pull_s, other.pull_s), max(self.pull_blocks, other.pull_blocks))
+                          max(self.pull_s, other.pull_s), max(self.pull_blocks, other.pull_blocks),
+                          self.pool_failed or other.pool_failed)
 
     @classmethod
     def from_engine(cls, params: dict[str, Any] | None) -> "LoadTiming | None":

@@ -103,6 +103,11 @@ class PoolScheduler:
         """Remember which blocks came from the pool (not stored again at the end)."""
         self._loaded[request_id] = (first_block, blocks)
 
+    def load_failed(self, request_id: str) -> None:
+        """The worker could not read the blocks `loaded` named (the bad objects are gone from the
+        pool) and the engine recomputed them: store them at the end like any computed block."""
+        self._loaded.pop(request_id, None)
+
     def forget(self, request_id: str) -> None:
         self._hits.pop(request_id, None)
         self._loaded.pop(request_id, None)

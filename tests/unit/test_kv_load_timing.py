@@ -50,6 +50,22 @@ def test_a_pool_load_is_timed_by_the_worker_and_drained_once():
         side.shutdown()
 
 
+def test_a_failed_pool_load_is_reported_to_the_scheduler_side():
+    from kv_transfer.connector_scheduler import PullJob
+
+    req = request(prompt_len=48)
+    side = WorkerSide(ConnectorSettings(port=free_port()), pool=worker(FakePoolStore()))  # an empty pool
+    try:
+        side.register(BytePages())
+        side.apply(StepPlan(pulls=[PullJob(req.request_id, None, (), (), tuple(blocks_of(req, [7, 8, 9])))]))
+        _finished_recving(side, req.request_id)
+        timing = side.take_load_times()[req.request_id]
+        assert timing.pool_failed and timing.pool_blocks == 0
+        assert timing.slower(LoadTiming(0.1, 3)).pool_failed  # any rank's failure counts
+    finally:
+        side.shutdown()
+
+
 def test_the_scheduler_returns_the_timing_with_the_finished_request():
     side = SchedulerSide(SETTINGS, BS)
     req = request("r-9", prompt_len=40, num_computed_tokens=40)

@@ -159,6 +159,16 @@ def test_store_offers_every_computed_full_block_but_those_loaded_from_the_pool(t
     assert job.holds_blocks
 
 
+def test_blocks_whose_pool_load_failed_are_recomputed_and_stored_again(tier):
+    """The worker dropped the bad objects and the engine recomputed them: unless they are stored
+    again, the pool lacks them until some later request happens to compute them."""
+    req = request(prompt_len=64, num_computed_tokens=64)
+    tier.loaded(req.request_id, first_block=0, blocks=3)
+    tier.load_failed(req.request_id)
+    job = tier.store_job(req, block_ids=[10, 11, 12, 13], holds_blocks=True)
+    assert [b.block_id for b in job.blocks] == [10, 11, 12, 13]
+
+
 def test_no_store_while_the_pool_is_down(tier, store, clock):
     req = request(prompt_len=64, num_computed_tokens=64)
     store.down = True
