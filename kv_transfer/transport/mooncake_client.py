@@ -17,7 +17,7 @@ from kv_transfer import wire
 from kv_transfer.errors import TransferFailed, TransferTimeout
 from kv_transfer.transport.base import FetchResult, HasRegions, PageSink
 from kv_transfer.transport.mooncake_memory import MemoryRegistry, new_engine
-from kv_transfer.transport.sockio import Deadline, byte_view, dest_views, recv_exact
+from kv_transfer.transport.sockio import Deadline, dest_views, recv_exact
 from kv_transfer.transport.tcp_client import TcpTransferClient
 from kv_transfer.wire import MessageType
 

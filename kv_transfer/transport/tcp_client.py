@@ -11,7 +11,7 @@ from typing import Callable, TypeVar
 from kv_transfer import wire
 from kv_transfer.errors import TransferFailed, TransferTimeout, WireError
 from kv_transfer.transport.base import FetchResult, TransferClient
-from kv_transfer.transport.sockio import (Deadline, byte_view, dest_views, read_message_start,
+from kv_transfer.transport.sockio import (Deadline, dest_views, read_message_start,
                                           recv_exact, recv_into_pages, send_buffers, tune_socket)
 from kv_transfer.wire import MessageType
 

@@ -13,7 +13,7 @@ from kv_transfer.settings import ConnectorSettings
 from monitoring.metrics import Phase
 from monitoring.phases import RequestMarks, request_phases
 from tests.unit.test_kv_connector_worker import BytePages, free_port
-from tests.unit.test_kv_pool_tier import BS, KEYS, blocks_of, request, worker  # noqa: F401 (fixtures)
+from tests.unit.test_kv_pool_tier import BS, blocks_of, request, worker
 from tests.unit.kv_pool_fakes import FakePoolStore
 
 SETTINGS = ConnectorSettings(port=0)
