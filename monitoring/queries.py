@@ -106,7 +106,8 @@ ROUTING_DECISION_RATE = Query(
     "routing_decisions", f"sum by (pool, reason) (rate({series(m.ROUTING_DECISIONS)}[{RATE_WINDOW}]))",
     "{{pool}} {{reason}}", "reqps", "Routing decisions by reason")
 ADMISSION_REJECTIONS = Query(
-    "admission_rejections", f"sum(rate({series(m.REQUESTS)}{{outcome=\"rejected\"}}[{RATE_WINDOW}]))",
+    "admission_rejections",
+    f"sum(rate({series(m.REQUESTS)}{{outcome=\"rejected\"}}[{RATE_WINDOW}])) or vector(0)",  # none yet: 0
     "429 rejected", "reqps", "Requests rejected by admission control")
 
 # -- KV pool --------------------------------------------------------------------------------------

@@ -149,6 +149,23 @@ def test_pd_outputs_with_pool_hits_are_token_identical(pool_app, reference_outpu
     assert _delta(p, bp, "pool_blocks_stored_total") == 0
 
 
+def test_the_pool_health_of_every_engine_reaches_prometheus(pool_app, stack):
+    """The dashboard's and the alert's query (kv_pool_down) sees both engines, with the pool up.
+    (Its series exist only while an application with a pool runs, so the observability module,
+    later, cannot check it.)"""
+    from monitoring.prometheus_api import PrometheusAPI
+    from monitoring.queries import KV_POOL_DOWN
+
+    api = PrometheusAPI(stack.prometheus_url)
+    deadline = time.monotonic() + 60
+    while True:
+        down = {sample.labels.get("pool"): sample.value for sample in api.query(KV_POOL_DOWN.expr)}
+        if {"prefill", "decode"} <= set(down) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert down.get("prefill") == 0 and down.get("decode") == 0, down
+
+
 def test_multi_turn_history_comes_from_the_pool(pool_app, stack):
     """Each turn's prompt is the previous prompt, its answer and a new message (token ids, as a
     chat front end would send them): prefill must find the whole history in the pool, the
