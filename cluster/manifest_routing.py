@@ -52,6 +52,10 @@ class RoutingSpec(_Strict):
     session_slack: Annotated[float, Field(ge=0)] = 4
     """prefix: a session stays on its replica while that one carries at most this many requests
     more than the least loaded."""
+    kv_events: bool = True
+    """prefix: each engine publishes its prefix cache's stores and evictions (vLLM KV events) and
+    its replica reports the cache to the routers, so routing sees what engines really hold;
+    off: the routers estimate it from what they sent where. Needs engine.enable_prefix_caching."""
     stats_period_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     """How often each replica reports its engine's queue, KV usage and epoch to the routers."""
 

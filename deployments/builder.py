@@ -148,7 +148,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
     ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool=pool.name,
-           metrics=manifest.observability.metrics)
+           metrics=manifest.observability.metrics, kv_events=follows_kv_events(pool))
 
 
 def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict[str, Any]:
@@ -165,6 +165,11 @@ def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict
     return {"request_router_config": RequestRouterConfig(
         request_router_class=PolicyRequestRouter, request_router_kwargs=kwargs,
         request_routing_stats_period_s=pool.routing.stats_period_s)}
+
+
+def follows_kv_events(pool: PoolSpec) -> bool:
+    """Engines publish their cache for the prefix router (a cache that is off has nothing to say)."""
+    return pool.routing.policy == "prefix" and pool.routing.kv_events and pool.engine.enable_prefix_caching
 
 
 def engine_capacity_blocks(manifest: Manifest, pool: PoolSpec, model_path: str, block_size: int) -> int:

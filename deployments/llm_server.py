@@ -21,6 +21,9 @@ from deployments.stream_coalescer import coalesce
 
 logger = logging.getLogger(__name__)
 
+# Most recent prefix-cache blocks a replica reports to routers (8 bytes each, every stats period).
+ROUTING_REPORT_BLOCKS = 16_384
+
 
 class LLMServer:
     """`kv_transfer` (disaggregated pools, or any pool with a KV pool): the manifest's kv_transfer
@@ -29,8 +32,9 @@ class LLMServer:
 
     def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None = None,
                  engine_factory: Callable[..., Any] | None = None, pool: str = "engine", rank: int = 0,
-                 metrics: bool = True, metrics_backend: Any = None):
-        """`pool`, `rank`: metric labels; `metrics`: export Prometheus metrics (ours and vLLM's)."""
+                 metrics: bool = True, metrics_backend: Any = None, kv_events: bool = False):
+        """`pool`, `rank`: metric labels; `metrics`: export Prometheus metrics (ours and vLLM's);
+        `kv_events`: follow the engine's KV cache events and report its prefix cache to routers."""
         from monitoring.engine_metrics import EngineServerMetrics
         from monitoring.exporter import MetricsExporter
 
@@ -43,13 +47,21 @@ class LLMServer:
         self._stats = ServerStats(replica_id=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
         self._kv = connector_settings(kv_transfer, self._stats.replica_id) if kv_transfer else None
         self._kv_client = None
+        self._cache_events = None
+        factory_options: dict[str, Any] = {}
+        if kv_events:
+            from deployments.routing.kv_event_subscriber import KVEventSubscriber, events_config, free_port
+
+            ports = free_port(), free_port()
+            self._cache_events = KVEventSubscriber(*ports).start()  # binds before the engine connects
+            factory_options["kv_events"] = events_config(*ports)
         if self._kv is not None:
             from kv_transfer.transport import get_backend
 
             self._kv_client = get_backend(self._kv["backend"]).client_cls()
-            self._engine = engine_factory(model, engine, model_path, kv_connector=self._kv)
+            self._engine = engine_factory(model, engine, model_path, kv_connector=self._kv, **factory_options)
         else:
-            self._engine = engine_factory(model, engine, model_path)
+            self._engine = engine_factory(model, engine, model_path, **factory_options)
         self._in_flight: set[str] = set()
         self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
 
@@ -146,6 +158,10 @@ class LLMServer:
         scheduler = getattr(self._engine, "scheduler", None)
         if scheduler is not None:
             stats.update(waiting=scheduler.waiting, kv_usage=scheduler.kv_cache_usage)
+        if self._cache_events is not None:
+            block_size, resident = self._cache_events.snapshot(ROUTING_REPORT_BLOCKS)
+            if block_size is not None:
+                stats.update(block_size=block_size, resident=resident)
         return stats
 
     def _ensure_exporting(self) -> None:
@@ -200,6 +216,8 @@ class LLMServer:
         when a peer rank died: this engine's worker may be stuck in a collective, and Serve's
         kill of the replica alone would leave that process behind."""
         engine, self._engine = getattr(self, "_engine", None), None
+        if getattr(self, "_cache_events", None) is not None:
+            self._cache_events.stop()
         if engine is not None:
             try:
                 engine.shutdown()

@@ -93,8 +93,10 @@ class VLLMEngine:
 
     @classmethod
     def start(cls, model: dict, engine: dict, model_path: str, *, stat_loggers: list | None = None,
-              kv_connector: dict | None = None, ray_metrics: bool = False) -> "VLLMEngine":
-        """`ray_metrics`: also record vLLM's own metrics (vllm:*) through Ray's metrics pipeline."""
+              kv_connector: dict | None = None, ray_metrics: bool = False,
+              kv_events: dict | None = None) -> "VLLMEngine":
+        """`ray_metrics`: also record vLLM's own metrics (vllm:*) through Ray's metrics pipeline;
+        `kv_events`: vLLM's kv_events_config (publish the prefix cache's stores and evictions)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -105,6 +107,10 @@ class VLLMEngine:
             if kv_connector.get("pool"):
                 # Pool keys are vLLM's block hashes: every engine must hash alike (see pool/keys.py).
                 fields.setdefault("prefix_caching_hash_algo", POOL_HASH_ALGO)
+        if kv_events is not None:
+            from vllm.config import KVEventsConfig
+
+            fields["kv_events_config"] = KVEventsConfig(**kv_events)
         args = AsyncEngineArgs(**fields)
         scheduler = None
         if ray_metrics:

@@ -11,17 +11,22 @@ import hashlib
 from collections.abc import Sequence
 
 
+def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
+    """The hash of one full block given its parent block's hash (None: the first block)."""
+    prefix = b"" if parent is None else parent.to_bytes(8, "little")
+    digest = hashlib.blake2b(prefix + b"|" + ",".join(map(str, block_tokens)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> tuple[int, ...]:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     full = len(token_ids) // block_size
     if max_blocks is not None:
         full = min(full, max_blocks)
-    hashes = []
-    parent = b""
+    hashes: list[int] = []
+    parent = None
     for index in range(full):
-        block = token_ids[index * block_size:(index + 1) * block_size]
-        digest = hashlib.blake2b(parent + b"|" + ",".join(map(str, block)).encode(), digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little"))
-        parent = digest
+        parent = chain_hash(parent, token_ids[index * block_size:(index + 1) * block_size])
+        hashes.append(parent)
     return tuple(hashes)

@@ -88,11 +88,17 @@ class PrefixAware:
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
         self._turn = 0
+        self._reported: dict[str, float | None] = {}  # the report each index entry was last replaced from
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState], now_s: float) -> RouteDecision | None:
         if not replicas:
             return None
         self.index.sync((r.replica_id for r in replicas), {r.replica_id: r.epoch for r in replicas})
+        for replica in replicas:
+            if replica.resident is not None and self._reported.get(replica.replica_id) != replica.reported_at_s:
+                # A fresh report from the engine's KV events: exact where the estimate guessed.
+                self._reported[replica.replica_id] = replica.reported_at_s
+                self.index.replace(replica.replica_id, replica.resident)
         loads = {r.replica_id: replica_load(r, now_s, self.stale_after_s) for r in replicas}
         hits = {r.replica_id: self.index.hit_blocks(r.replica_id, request.block_hashes) for r in replicas}
         decision = (self._load_gate(replicas, loads, hits) or self._session(request, loads, hits)

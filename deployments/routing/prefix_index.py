@@ -34,6 +34,11 @@ class PrefixIndex:
             if known is not None and known != epoch:
                 self._blocks.pop(replica_id, None)
 
+    def replace(self, replica_id: str, block_hashes: Sequence[int]) -> None:
+        """The engine's own report of what it holds (least recent first) replaces the estimate."""
+        held: OrderedDict[int, None] = OrderedDict.fromkeys(block_hashes[-self.capacity_blocks:])
+        self._blocks[replica_id] = held
+
     def hit_blocks(self, replica_id: str, block_hashes: Sequence[int]) -> int:
         """Length of the longest prefix of `block_hashes` the replica holds (chained hashes: the
         first miss ends the run, as in the engine's own prefix lookup)."""

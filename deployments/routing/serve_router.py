@@ -38,9 +38,17 @@ def routing_request(pending: PendingRequest | None, block_size: int, max_blocks:
 
 def replica_state(replica: RunningReplica, in_flight: int | None) -> ReplicaState:
     stats = replica.routing_stats or {}
+    resident = stats.get("resident")
     return ReplicaState(replica.replica_id.unique_id, ongoing=in_flight or 0, queued=int(stats.get("waiting", 0)),
                         kv_usage=float(stats.get("kv_usage", 0.0)), reported_at_s=stats.get("at_s"),
-                        epoch=str(stats.get("epoch", "")))
+                        epoch=str(stats.get("epoch", "")), resident=None if resident is None else tuple(resident))
+
+
+def reported_block_size(replicas: list[RunningReplica], default: int) -> int:
+    """The engines' own block size once they report their caches (the router's hashes must
+    cut prompts where the engines do); the configured one before."""
+    sizes = {int((r.routing_stats or {}).get("block_size") or 0) for r in replicas} - {0}
+    return sizes.pop() if len(sizes) == 1 else default
 
 
 class PolicyRequestRouter(FIFOMixin, RequestRouter):
@@ -65,7 +73,8 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         cache = self.replica_queue_len_cache
         states = [replica_state(r, cache.get(r.replica_id)) for r in candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        request = routing_request(pending_request, self._block_size, self._max_blocks)
+        block_size = reported_block_size(candidate_replicas, self._block_size)
+        request = routing_request(pending_request, block_size, self._max_blocks)
         if request is None:
             ranked = sorted(states, key=lambda s: (s.ongoing + s.queued, s.replica_id))
             return [[by_id[s.replica_id]] for s in ranked]

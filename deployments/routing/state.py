@@ -20,6 +20,9 @@ class ReplicaState:
     kv_usage: float = 0.0  # 0..1 of the engine's KV blocks in use
     reported_at_s: float | None = None
     epoch: str = ""
+    # The engine's own account of its prefix cache (router block hashes, from its KV events);
+    # None: not reported, the router estimates from what it routed there.
+    resident: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
