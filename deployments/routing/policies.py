@@ -13,6 +13,9 @@ prefix        cache- and load-aware. Rule, in order:
      lower load, then in turn.
   Load = requests this router has in flight there + the queue the replica last reported, if that
   report is younger than `stale_after_s` (a stale report counts as unknown, not as idle).
+  What a replica holds: its engine's own report (`ReplicaState.resident`, from vLLM's KV cache
+  events) when it sends one, else the router's estimate from what it routed there
+  (prefix_index.py); either is emptied when the replica's epoch changes (engine restarted).
 """
 
 from __future__ import annotations
