@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.errors import ClusterError, ManifestError, ManifestIssue
 from cluster.manifest import Manifest, load_manifest
 from cluster.serve_control import DEFAULT_DEPLOY_TIMEOUT_S
+from deployments.frontend.api_keys import ApiKeyConfigError
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "manifests" / "local.yaml"
 
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    except ApiKeyConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

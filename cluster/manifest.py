@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
+from cluster.manifest_http import HTTPSpec
 from cluster.manifest_routing import AdmissionSpec, RoutingSpec
 
 _LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
@@ -159,22 +160,6 @@ class SLOSpec(_Strict):
     """Target time to first token, p90, in milliseconds."""
     itl_ms: Annotated[float, Field(gt=0)] = 200.0
     """Target inter-token latency, p90, in milliseconds."""
-
-
-class HTTPSpec(_Strict):
-    host: str = "127.0.0.1"
-    """Address the Serve HTTP proxy binds (0.0.0.0 to serve other machines)."""
-    port: Annotated[int, Field(ge=1, le=65535)] = 8000
-    """Port of the Serve HTTP proxy."""
-    route_prefix: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._/-]*$")] = "/"
-    """Route prefix of the OpenAI application."""
-    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20
-    """Largest accepted request body; larger bodies get HTTP 413."""
-    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
-    """Where Serve runs HTTP proxies: EveryNode (behind a load balancer) or HeadOnly (one entry
-    point; saves a proxy per node on small machines)."""
-    ingress_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
-    """Replicas of the OpenAI ingress (tokenization and validation)."""
 
 
 class ObservabilitySpec(_Strict):

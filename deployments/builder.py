@@ -194,6 +194,12 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
     `pool_address`: the running KV pool's master (cluster.kv_pool_service.ensure_pool)."""
     model = manifest.model.model_dump()
     http = manifest.http.model_dump()
+    if manifest.http.auth.enabled:
+        # Fail the deploy here, with the fix, rather than in a replica that Serve restarts forever.
+        # Keys are read again by the ingress replica; they are not passed to it.
+        from deployments.frontend.api_keys import load_api_keys
+
+        load_api_keys(manifest.http.auth.api_keys_env, manifest.http.auth.api_keys_file)
     if manifest.disaggregated:
         engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.decode), model, model_path,
                                     pool_address)

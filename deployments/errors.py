@@ -24,6 +24,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def unauthorized() -> APIError:
+    # OpenAI's shape and wording; the offered key is never echoed.
+    return APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 def not_found(message: str, code: str = "not_found") -> APIError:
     return APIError(404, message, code=code)
 

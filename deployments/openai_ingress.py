@@ -1,6 +1,8 @@
 """The OpenAI-compatible ingress: parse, validate, tokenize, stream from the engine pool.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health.
+Routes: GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /version, GET /health. With API keys configured (manifest http.auth) every
+route but /health needs `Authorization: Bearer <key>`.
 Every bad request gets an OpenAI-shaped JSON error and a 4xx status; nothing a client sends
 can take the ingress down for other clients.
 """
@@ -19,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import openai_responses as out
-from deployments.errors import APIError, bad_request, not_found, server_error, too_many_requests
+from deployments.errors import APIError, bad_request, not_found, server_error, too_many_requests, unauthorized
+from deployments.frontend import info_routes as info
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
 from deployments.routing.admission import AdmissionGate, AdmissionLimits
@@ -31,6 +34,7 @@ HEALTH_TIMEOUT_S = 10.0
 # A client's conversation id: requests carrying the same one prefer the same engine replica
 # (session affinity of the prefix routing policy), unless that replica is overloaded.
 SESSION_HEADER = "X-Session-Id"
+OPEN_PATHS = {"/health"}  # everything else needs an API key when the manifest configures keys
 GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
                      ("POST", "/v1/chat/completions"): "chat_completions"}
 
@@ -59,6 +63,7 @@ class OpenAIIngress:
         self._model_name: str = model["name"]
         self._max_model_len: int = model["max_model_len"]
         self._max_request_bytes: int = http["max_request_bytes"]
+        self._api_keys = _api_key_check(http.get("auth") or {})
         self._tokenizer = tokenizer or PromptTokenizer.from_path(model_path)
         self._created = int(time.time())
         slo = slo or {"ttft_ms": 2000, "itl_ms": 200}
@@ -75,6 +80,9 @@ class OpenAIIngress:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat_completions,
             ("GET", "/health"): self._health,
+            ("GET", "/version"): self._version,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
         }
 
     async def __call__(self, request: Request) -> Response:
@@ -84,13 +92,18 @@ class OpenAIIngress:
             path = path[len(root):] or "/"
         key = (request.method, path.rstrip("/") or "/")
         handler = self._routes.get(key)
+        if handler is None and request.method == "GET" and key[1].startswith("/v1/models/"):
+            handler = self._model
         trace = self._metrics.start(GENERATION_ROUTES[key]) if key in GENERATION_ROUTES else None
         try:
+            if self._api_keys is not None and key[1] not in OPEN_PATHS:
+                if not self._api_keys.allows(request.headers.get("authorization")):
+                    raise unauthorized()
             if handler is None:
                 if any(p == path.rstrip("/") for _, p in self._routes):
                     raise APIError(405, f"method {request.method} not allowed on {path}", code="method_not_allowed")
                 raise not_found(f"no route {request.method} {path}; see /v1/models, /v1/completions, "
-                                "/v1/chat/completions, /health")
+                                "/v1/chat/completions, /tokenize, /detokenize, /version, /health")
             return await (handler(request) if trace is None else handler(request, trace))
         except APIError as exc:
             if trace is not None:
@@ -110,9 +123,31 @@ class OpenAIIngress:
     # -- routes -------------------------------------------------------------------------------
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self._model_name, "object": "model", "created": self._created, "owned_by": "moe-serve",
-            "max_model_len": self._max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        self._check_model(request.url.path.rstrip("/").rsplit("/v1/models/", 1)[1])
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return info.model_card(self._model_name, self._created, self._max_model_len)
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse(info.versions())
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await self._json_body(request)
+        self._check_model_if_named(body)
+        return JSONResponse(info.tokenize(self._tokenizer, self._max_model_len, body))
+
+    async def _detokenize(self, request: Request) -> Response:
+        body = await self._json_body(request)
+        self._check_model_if_named(body)
+        return JSONResponse(info.detokenize(self._tokenizer, body))
+
+    def _check_model_if_named(self, body: object) -> None:
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            self._check_model(body["model"])
 
     async def _health(self, request: Request) -> Response:
         try:
@@ -294,6 +329,19 @@ class OpenAIIngress:
                 self._metrics.succeeded(trace)
             else:
                 self._metrics.failed(trace, outcome)
+
+
+def _api_key_check(auth: dict):
+    """The key check for this replica, or None (and a warning) when the manifest names no keys."""
+    from deployments.frontend.api_keys import ApiKeyCheck, load_api_keys
+
+    if not (auth.get("api_keys_env") or auth.get("api_keys_file")):
+        logger.warning("no API keys configured (manifest http.auth): every route is open to anyone who can "
+                       "reach this endpoint; set http.auth.api_keys_env or api_keys_file to require keys")
+        return None
+    keys = load_api_keys(auth.get("api_keys_env"), auth.get("api_keys_file"))
+    logger.info("API keys required on every route but /health (%d key(s) configured)", len(keys))
+    return ApiKeyCheck.of(keys)
 
 
 INJECT_KV_FAILURE_HEADER = "x-moe-serve-inject-kv-failure"

@@ -21,9 +21,12 @@ class PromptTokenizer:
 
         return cls(AutoTokenizer.from_pretrained(path))
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self._tok.encode(prompt, add_special_tokens=True))
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids)

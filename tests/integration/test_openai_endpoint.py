@@ -235,3 +235,22 @@ def test_models_and_health(stack):
     assert models["data"][0]["id"] == stack.model
     assert models["data"][0]["max_model_len"] == stack.max_model_len
     assert httpx.get(f"{stack.base_url}/health", timeout=30).status_code == 200
+
+
+def test_tokenize_detokenize_model_by_id_and_version(stack, reference_outputs):
+    """/tokenize gives exactly the ids the generation routes send (plain vLLM's, for chat too),
+    /detokenize inverts it, and /v1/models/{id} and /version answer as vLLM's server does."""
+    name = sorted(CHAT_CONVERSATIONS)[0]
+    chat = httpx.post(f"{stack.base_url}/tokenize", timeout=30,
+                      json={"model": stack.model, "messages": CHAT_CONVERSATIONS[name]}).json()
+    assert chat["tokens"] == reference_outputs[name]["prompt_token_ids"]
+    assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == stack.max_model_len
+    prompt = sorted(COMPLETION_PROMPTS)[0]
+    plain = httpx.post(f"{stack.base_url}/tokenize", json={"prompt": COMPLETION_PROMPTS[prompt]}, timeout=30).json()
+    assert plain["tokens"] == reference_outputs[prompt]["prompt_token_ids"]
+    text = httpx.post(f"{stack.base_url}/detokenize", json={"tokens": plain["tokens"]}, timeout=30).json()["prompt"]
+    assert COMPLETION_PROMPTS[prompt] in text
+    card = httpx.get(f"{stack.base_url}/v1/models/{stack.model}", timeout=30).json()
+    assert (card["id"], card["object"]) == (stack.model, "model")
+    assert httpx.get(f"{stack.base_url}/v1/models/no-such-model", timeout=30).status_code == 404
+    assert httpx.get(f"{stack.base_url}/version", timeout=30).json()["version"]

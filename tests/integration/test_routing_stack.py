@@ -40,10 +40,17 @@ def _log(message: str) -> None:
     print(f"[routing] {message}", file=sys.stderr, flush=True)
 
 
-def _manifest() -> dict:
+# This application also requires an API key (manifest http.auth, read from a secrets file by the
+# ingress replica): every request below carries it, and one test checks the refusals.
+API_KEY = "route-test-" + "0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _manifest(keys_file: str) -> dict:
     data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
     data["name"] = APP
     data["http"]["port"] = TEST_HTTP_PORT
+    data["http"]["auth"] = {"api_keys_file": keys_file, "required": True}
     data["http"]["route_prefix"] = f"/{APP}"
     data["kv_pool"] = {"enabled": False}  # hits must come from the engine the router chose
     data["admission"] = {"max_queued_per_replica": QUEUED_PER_REPLICA}
@@ -56,9 +63,11 @@ def _manifest() -> dict:
 
 
 @pytest.fixture(scope="module")
-def app(stack):
+def app(stack, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys_file.write_text(f"# test key\n{API_KEY}\n")
     started = time.monotonic()
-    deploy_test_app(_manifest(), "routing test manifest", progress=_log)
+    deploy_test_app(_manifest(str(keys_file)), "routing test manifest", progress=_log)
     _log(f"{APP} up in {time.monotonic() - started:.0f}s")
     try:
         yield f"http://127.0.0.1:{TEST_HTTP_PORT}/{APP}", stack.model
@@ -71,8 +80,20 @@ def _document(index: int) -> list[int]:
 
 
 def _complete(base_url: str, model: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(f"{base_url}/v1/completions", timeout=180, json={
+    return httpx.post(f"{base_url}/v1/completions", timeout=180, headers=AUTH, json={
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_the_endpoint_refuses_requests_without_its_api_key_and_health_stays_open(app):
+    base_url, model = app
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer not-the-key-0123456789"}):
+        refused = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{base_url}/v1/models", headers=headers, timeout=60).status_code == 401
+    assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
+    assert httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=180).status_code == 200
 
 
 def test_later_questions_about_a_document_find_it_in_the_cache_of_the_replica_they_reach(app):
@@ -101,7 +122,7 @@ def test_a_burst_of_three_times_the_bound_gets_fast_429s_and_the_admitted_all_co
         return response.status_code, time.monotonic() - started, response.headers.get("retry-after")
 
     async def burst():
-        async with httpx.AsyncClient(base_url=base_url, timeout=180,
+        async with httpx.AsyncClient(base_url=base_url, timeout=180, headers=AUTH,
                                      limits=httpx.Limits(max_connections=200)) as client:
             return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(3 * BOUND))), 300)
 

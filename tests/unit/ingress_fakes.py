@@ -33,14 +33,17 @@ class FakeTokenizer:
 
     vocab_size = 200
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return [ord(c) % 100 + 100 for c in prompt]
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 100 + 100 for c in prompt]  # no special tokens in this vocabulary
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         ids: list[int] = []
         for message in messages:
-            ids += [1] + self.encode_prompt(message["role"] + ":" + message["content"])
-        return ids + [2]
+            ids += [1] + self.encode_prompt(message["role"] + ":" + message["content"], add_special_tokens=False)
+        return ids + ([2] if add_generation_prompt else [])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(f"<{t}>" for t in token_ids)
 
 
 @dataclass
@@ -137,12 +140,12 @@ class FakeMetricsBackend:
         return [v for _, n, v, t in self.records if n == name and tags.items() <= t.items()]
 
 
-def make_client(engine: FakeEngine, metrics_backend: FakeMetricsBackend | None = None, **ingress_options: Any
-                ) -> tuple[TestClient, OpenAIIngress]:
+def make_client(engine: FakeEngine, metrics_backend: FakeMetricsBackend | None = None, http: dict = HTTP,
+                **ingress_options: Any) -> tuple[TestClient, OpenAIIngress]:
     from monitoring.exporter import MetricsExporter
 
     exporter = MetricsExporter(backend=metrics_backend or FakeMetricsBackend())
-    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer(), metrics=exporter,
+    ingress = OpenAIIngress(engine, MODEL, http, model_path="unused", tokenizer=FakeTokenizer(), metrics=exporter,
                             **ingress_options)
 
     async def endpoint(request):

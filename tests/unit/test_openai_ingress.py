@@ -21,7 +21,7 @@ def test_fakes_have_the_real_interfaces():
     assert inspect.iscoroutinefunction(HandleEngineClient.health) and inspect.iscoroutinefunction(FakeEngine.health)
     assert params(FakeEngine.stream) == params(HandleEngineClient.stream)
     assert params(FakeEngine.health) == params(HandleEngineClient.health)
-    for name in ("encode_prompt", "encode_chat"):
+    for name in ("encode_prompt", "encode_chat", "decode"):
         assert params(getattr(FakeTokenizer, name)) == params(getattr(PromptTokenizer, name))
     assert "vocab_size" in vars(FakeTokenizer)  # PromptTokenizer sets it per instance
 

@@ -1,0 +1,57 @@
+"""The manifest's http section: where the OpenAI endpoint listens, and who may call it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class AuthSpec(_Strict):
+    """API keys for every route but /health (`Authorization: Bearer <key>`; 401 otherwise).
+
+    Keys are read inside the ingress replica, from its node's environment or file system, so they
+    never pass through Serve's deployment arguments. Without a source the endpoint is open (and
+    says so when it starts)."""
+
+    api_keys_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    """Environment variable holding the accepted keys, comma-separated (e.g. MOE_SERVE_API_KEYS)."""
+    api_keys_file: str | None = None
+    """A secrets file with one key per line (e.g. a mounted Kubernetes secret)."""
+    required: bool = False
+    """Refuse to serve without keys: a source must be named, and it must hold keys."""
+
+    @model_validator(mode="after")
+    def _required_needs_a_source(self) -> "AuthSpec":
+        if self.required and not (self.api_keys_env or self.api_keys_file):
+            raise ValueError("required is true but no key source is named; set http.auth.api_keys_env "
+                             "(e.g. MOE_SERVE_API_KEYS) or http.auth.api_keys_file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys_env or self.api_keys_file)
+
+
+class HTTPSpec(_Strict):
+    host: str = "127.0.0.1"
+    """Address the Serve HTTP proxy binds (0.0.0.0 to serve other machines)."""
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """Port of the Serve HTTP proxy."""
+    route_prefix: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._/-]*$")] = "/"
+    """Route prefix of the OpenAI application."""
+    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20
+    """Largest accepted request body; larger bodies get HTTP 413."""
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
+    """Where Serve runs HTTP proxies: EveryNode (behind a load balancer) or HeadOnly (one entry
+    point; saves a proxy per node on small machines)."""
+    ingress_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
+    """Replicas of the OpenAI ingress (tokenization and validation)."""
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    """API keys (off by default for the local cluster; the GPU examples require them)."""
+
+

