@@ -50,6 +50,11 @@ class ModelSpec(_Strict):
     """Quantize the weights when loading (vLLM's `quantization`), e.g. fp8 for a bf16 checkpoint.
     Leave unset for checkpoints that are already quantized (DeepSeek-V3's FP8 release): vLLM
     reads their quantization_config."""
+    tool_parser: Annotated[str, Field(pattern=r"^[a-z0-9_]+$")] | None = None
+    """vLLM's tool-call parser for this model (e.g. hermes for Qwen3, deepseek_v3, glm45): turns
+    on `tools` with tool_choice auto and a named function. Without it: none/required only."""
+    reasoning_parser: Annotated[str, Field(pattern=r"^[a-z0-9_]+$")] | None = None
+    """vLLM's reasoning parser (e.g. qwen3, deepseek_r1, glm45): separates `reasoning` from content."""
 
     @field_validator("path")
     @classmethod

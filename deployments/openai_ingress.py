@@ -13,18 +13,18 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from deployments import openai_responses as out
 from deployments.errors import APIError, bad_request, not_found, server_error, too_many_requests, unauthorized
 from deployments.frontend import info_routes as info
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+from deployments.frontend import responses
+from deployments.frontend.render import ChoiceOutput
+from deployments.frontend.responses import ResponseContext
+from deployments.records import EngineFailure, EngineRequest
 from deployments.routing.admission import AdmissionGate, AdmissionLimits
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,11 @@ class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
                  prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
                  metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority",
-                 local_prefill_below_tokens: int = 0):
+                 local_prefill_below_tokens: int = 0, front: Any = None):
         """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
         metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter;
-        admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything."""
+        admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything;
+        front: vLLM's render/derender front end (built from the checkpoint when None)."""
         from deployments.engine_client import as_engine_client
         from deployments.tokenizer import PromptTokenizer
         from monitoring.exporter import MetricsExporter
@@ -64,7 +65,13 @@ class OpenAIIngress:
         self._max_model_len: int = model["max_model_len"]
         self._max_request_bytes: int = http["max_request_bytes"]
         self._api_keys = _api_key_check(http.get("auth") or {})
-        self._tokenizer = tokenizer or PromptTokenizer.from_path(model_path)
+        if front is None:
+            from deployments.frontend.render import VLLMFrontEnd
+
+            front = VLLMFrontEnd.from_model(model, model_path, {"tool_parser": model.get("tool_parser"),
+                                                                 "reasoning_parser": model.get("reasoning_parser")})
+        self._front = front
+        self._tokenizer = tokenizer or PromptTokenizer(front.tokenizer)
         self._created = int(time.time())
         slo = slo or {"ttft_ms": 2000, "itl_ms": 200}
         if not isinstance(metrics, MetricsExporter):
@@ -157,28 +164,10 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok"})
 
     async def _completions(self, request: Request, trace: Any) -> Response:
-        body = parse_request(CompletionRequest, await self._json_body(request))
-        self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = self._tokenizer.encode_prompt(body.prompt)
-        else:
-            bad = [t for t in body.prompt if not 0 <= t < self._tokenizer.vocab_size]
-            if bad:
-                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self._tokenizer.vocab_size})", param="prompt")
-            prompt_ids = list(body.prompt)
-        return await self._generate(body, prompt_ids, body.max_tokens, chat=False, prefix="cmpl", trace=trace,
-                                    options=_test_options(request), priority=self._priority(request),
-                                    session_id=request.headers.get(SESSION_HEADER))
+        return await self._generate(request, trace, chat=False)
 
     async def _chat_completions(self, request: Request, trace: Any) -> Response:
-        body = parse_request(ChatCompletionRequest, await self._json_body(request))
-        self._check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = self._tokenizer.encode_chat(messages)
-        return await self._generate(body, prompt_ids, body.requested_max_tokens(), chat=True, prefix="chatcmpl",
-                                    trace=trace, options=_test_options(request), priority=self._priority(request),
-                                    session_id=request.headers.get(SESSION_HEADER))
+        return await self._generate(request, trace, chat=True)
 
     # -- shared path --------------------------------------------------------------------------
 
@@ -202,50 +191,36 @@ class OpenAIIngress:
             raise not_found(f"model '{model}' does not exist; this endpoint serves '{self._model_name}'",
                             code="model_not_found")
 
-    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
-        """Output token budget, or a 400 when the request cannot fit the context (as vLLM does)."""
-        if prompt_len >= self._max_model_len:
-            raise bad_request(f"prompt is {prompt_len} tokens but the model's context is {self._max_model_len} "
-                              "tokens; shorten the prompt", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            return self._max_model_len - prompt_len
-        if prompt_len + max_tokens > self._max_model_len:
-            raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                              f"context of {self._max_model_len} tokens; lower max_tokens to at most "
-                              f"{self._max_model_len - prompt_len}", param="max_tokens",
-                              code="context_length_exceeded")
-        return max_tokens
-
-    async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
-                        prefix: str, trace: Any, options: dict | None = None, priority: str = "normal",
-                        session_id: str | None = None) -> Response:
-        sampling = SamplingSpec(
-            max_tokens=self._budget(len(prompt_ids), max_tokens),
-            temperature=float(body.temperature), top_p=float(body.top_p), top_k=max(body.top_k, 0),
-            min_tokens=body.min_tokens, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
-            presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
-            repetition_penalty=float(body.repetition_penalty),
-        )
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        ctx = out.ResponseContext(
-            request_id=request_id, model=self._model_name, chat=chat, prompt_token_ids=prompt_ids,
-            return_token_ids=body.return_token_ids,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        )
-        self._admit(priority)
+    async def _generate(self, request: Request, trace: Any, *, chat: bool) -> Response:
+        body = await self._json_body(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object", code="invalid_body")
+        if isinstance(body.get("model"), str):
+            self._check_model(body["model"])
+        rendered = await self._front.render(chat, body)
+        ctx = ResponseContext(rendered, self._model_name)
+        self._admit(self._priority(request))
         trace.dispatch()
-        engine_request = EngineRequest(request_id, prompt_ids, sampling, session_id=session_id)
-        stream = self._engine.stream(engine_request, trace=trace, **(options or {}))
-        if self._gate is not None:
-            stream = self._released_when_done(stream)
-        if body.stream:
-            first = await _first_item(stream)
-            if isinstance(first, EngineFailure):
-                await stream.aclose()
-                raise server_error(first.message, retriable=first.retriable)
-            return StreamingResponse(self._sse(ctx, first, stream, trace), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-        return await self._collect(ctx, stream, trace)
+        options = _test_options(request)
+        session_id = request.headers.get(SESSION_HEADER)
+        many = len(rendered.children) > 1
+        streams = []
+        for child in rendered.children:
+            request_id = f"{rendered.request_id}-{child.index}" if many else rendered.request_id
+            engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id)
+            stream = self._engine.stream(engine_request, trace=trace, **options)
+            streams.append(self._released_when_done(stream) if self._gate is not None and not many else stream)
+        if self._gate is not None and many:  # one admission slot per OpenAI request
+            streams[0] = self._released_when_done(streams[0])
+        if rendered.stream:
+            merged = _merged(rendered.children, streams)
+            first = await _first_item(merged)
+            if first is not None and isinstance(first[1], EngineFailure):
+                await merged.aclose()
+                raise server_error(first[1].message, retriable=first[1].retriable)
+            return StreamingResponse(self._sse(ctx, first, merged, trace), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rendered.request_id})
+        return await self._collect(ctx, streams, trace)
 
     def _count_prefill_decision(self, reason: str) -> None:
         from monitoring import metrics as m
@@ -275,56 +250,67 @@ class OpenAIIngress:
             await stream.aclose()
             self._gate.release(time.monotonic())
 
-    async def _collect(self, ctx: out.ResponseContext, stream: AsyncIterator, trace: Any) -> Response:
-        text: list[str] = []
-        token_ids: list[int] = []
-        finish_reason = None
-        try:
-            async for item in stream:
-                if isinstance(item, EngineFailure):
-                    raise server_error(item.message, retriable=item.retriable)
-                trace.on_delta(item)
-                ctx.note(item)
-                text.append(item.text)
-                token_ids.extend(item.token_ids)
-                finish_reason = item.finish_reason or finish_reason
-        finally:
-            await stream.aclose()  # also on cancellation: aborts the request in the engine
-        timing = self._metrics.succeeded(trace)
-        return JSONResponse(out.full_response(ctx, "".join(text), token_ids, finish_reason),
-                            headers={"X-Request-Id": ctx.request_id, "Server-Timing": timing})
+    async def _collect(self, ctx: ResponseContext, streams: list[AsyncIterator], trace: Any) -> Response:
+        rendered = ctx.rendered
 
-    async def _sse(self, ctx: out.ResponseContext, first: TokenDelta | None, stream: AsyncIterator,
+        async def one(child: Any, stream: AsyncIterator) -> ChoiceOutput:
+            output = ChoiceOutput()
+            try:
+                async for item in stream:
+                    if isinstance(item, EngineFailure):
+                        raise server_error(item.message, retriable=item.retriable)
+                    trace.on_delta(item)
+                    ctx.note_cached(child.prompt_index, item)
+                    output.add(item)
+            finally:
+                await stream.aclose()  # also on cancellation: aborts the request in the engine
+            return output
+
+        tasks = [asyncio.ensure_future(one(c, s)) for c, s in zip(rendered.children, streams)]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        choices = await self._front.full_choices(rendered, outputs)
+        timing = self._metrics.succeeded(trace)
+        return JSONResponse(responses.full_response(ctx, choices, [o.token_ids for o in outputs]),
+                            headers={"X-Request-Id": rendered.request_id, "Server-Timing": timing})
+
+    async def _sse(self, ctx: ResponseContext, first: tuple | None, merged: AsyncIterator,
                    trace: Any) -> AsyncIterator[bytes]:
-        completion_tokens = 0
+        rendered = ctx.rendered
+        choice_streams = {c.index: self._front.stream_state(rendered, c) for c in rendered.children}
         outcome = "cancelled"  # unless the loop below ends otherwise
         try:
             item = first
-            is_first = True
             while item is not None:
-                if isinstance(item, EngineFailure):
+                child, delta = item
+                if isinstance(delta, EngineFailure):
                     outcome = "server_error"
-                    yield out.sse(server_error(item.message, retriable=item.retriable).body())
+                    yield responses.sse(server_error(delta.message, retriable=delta.retriable).body())
                     break
-                trace.on_delta(item)
-                ctx.note(item)
-                completion_tokens = item.completion_tokens
-                if item.text or item.token_ids or item.finish_reason or (is_first and ctx.chat):
-                    yield out.sse(out.stream_chunk(ctx, item.text, item.token_ids, item.finish_reason, first=is_first))
-                    is_first = False
-                item = await anext(stream, None)
+                trace.on_delta(delta)
+                ctx.note_cached(child.prompt_index, delta)
+                chunk = await choice_streams[child.index].chunk(delta, self._model_name)
+                if chunk is not None and chunk.get("choices"):
+                    yield responses.sse(responses.stream_chunk(ctx, chunk, delta.token_ids))
+                item = await anext(merged, None)
             else:
                 outcome = "ok"
-            if ctx.include_usage:
-                yield out.sse(out.usage_chunk(ctx, completion_tokens))
-            yield out.SSE_DONE
+            if rendered.include_usage:
+                completion_tokens = sum(s.completion_tokens for s in choice_streams.values())
+                yield responses.sse(responses.usage_chunk(ctx, completion_tokens))
+            yield responses.SSE_DONE
         except Exception:  # headers are sent: a failure mid-stream ends the stream cleanly, as a value
             outcome = "server_error"
-            logger.exception("stream %s failed", ctx.request_id)
-            yield out.sse(server_error("internal error").body())
-            yield out.SSE_DONE
+            logger.exception("stream %s failed", rendered.request_id)
+            yield responses.sse(server_error("internal error").body())
+            yield responses.SSE_DONE
         finally:
-            await stream.aclose()  # on client disconnect this cancels the engine request
+            await merged.aclose()  # on client disconnect this cancels the engine requests
             if outcome == "ok":
                 self._metrics.succeeded(trace)
             else:
@@ -354,3 +340,40 @@ def _test_options(request: Request) -> dict:
 
 async def _first_item(stream: AsyncIterator) -> Any:
     return await anext(stream, None)
+
+
+async def _merged(children: list, streams: list[AsyncIterator]) -> AsyncIterator[tuple]:
+    """(child, item) from every child's stream as items arrive; closing it closes them all."""
+    if len(streams) == 1:  # the common case (n == 1, one prompt): no tasks, no queue
+        try:
+            async for item in streams[0]:
+                yield children[0], item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(child: Any, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((child, item))
+        except Exception as exc:  # one sequence failing ends the response with an error event
+            await queue.put((child, EngineFailure(f"{type(exc).__name__}: {exc}")))
+        finally:
+            await stream.aclose()
+            queue.put_nowait(finished)
+
+    tasks = [asyncio.ensure_future(pump(c, s)) for c, s in zip(children, streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            got = await queue.get()
+            if got is finished:
+                remaining -= 1
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

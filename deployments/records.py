@@ -6,6 +6,7 @@ They cross Ray process boundaries (pickled), so they hold plain data only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_transfer.params import LoadTiming
 
@@ -33,7 +34,7 @@ class EngineRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: Any  # vllm.SamplingParams from the ingress's render (n == 1), or a SamplingSpec
     kv_transfer_params: dict | None = None  # decode: where to pull the prompt's KV (TransferParams)
     session_id: str | None = None  # the client's conversation, for session-affine routing
 
@@ -51,13 +52,20 @@ class TokenDelta:
     engine_timing: "EngineTiming | None" = None  # on the first delta (when the engine logs stats)
     kv_load: LoadTiming | None = None  # on the final delta, when the engine loaded KV it did not compute
     cached_tokens: int | None = None  # on the first delta: prompt tokens not computed (prefix cache, pool, peer)
+    # When the request asked for logprobs: per token (token_id, logprob, rank, top) with top a list
+    # of (token_id, logprob, rank), as vLLM's token-in/token-out server reports them.
+    logprobs: list | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended the request
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by a later one of the same request, as one delta."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
         return TokenDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
                           later.prompt_tokens, later.completion_tokens, later.kv_transfer_params,
                           self.engine_timing or later.engine_timing, later.kv_load or self.kv_load,
-                          self.cached_tokens if self.cached_tokens is not None else later.cached_tokens)
+                          self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
+                          logprobs, later.stop_reason if later.stop_reason is not None else self.stop_reason)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ Everything above this module sees only our records (EngineRequest, TokenDelta).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.records import EngineRequest, EngineTiming, SamplingSpec, TokenDelta
+from deployments.records import EngineRequest, EngineTiming, TokenDelta
 from kv_transfer.params import LoadTiming
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,17 @@ def kv_transfer_config(connector_settings: dict, failure_policy: str):
     )
 
 
-def to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict | None = None):
+def to_sampling_params(spec: Any, kv_transfer_params: dict | None = None):
+    """vLLM SamplingParams streaming deltas: the ingress's rendered params (a copy), or ours mapped."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    if isinstance(spec, SamplingParams):
+        params = spec.clone()
+        params.output_kind = RequestOutputKind.DELTA
+        if kv_transfer_params:
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+        return params
     return SamplingParams(
         max_tokens=spec.max_tokens,
         temperature=spec.temperature,
@@ -71,6 +79,29 @@ def to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict | None = Non
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
+
+
+def _clamp(logprob: float) -> float:
+    # The OpenAI shapes' floor, as vLLM's servers apply it: -inf and NaN become -9999.0.
+    return -9999.0 if math.isnan(logprob) else max(logprob, -9999.0)
+
+
+def token_logprobs(token_ids: list[int], logprobs: list | None, top: int | None) -> list | None:
+    """vLLM's per-token Logprob maps as plain tuples (see TokenDelta.logprobs); `top`: the
+    request's logprobs count (None: none asked for)."""
+    if logprobs is None or top is None:
+        return None
+    entries = []
+    for token_id, step in zip(token_ids, logprobs):
+        chosen = step.get(token_id) if step else None
+        if chosen is None:
+            entries.append((token_id, -9999.0, None, []))
+            continue
+        # Every entry vLLM returned (the sampled token and the top-k): the ingress cuts them the
+        # way vLLM's server does for each API (chat: k; completions: all).
+        ranked = [(t, _clamp(lp.logprob), lp.rank or None) for t, lp in step.items()]
+        entries.append((token_id, _clamp(chosen.logprob), chosen.rank or None, ranked))
+    return entries
 
 
 def engine_timing(output: Any) -> EngineTiming | None:
@@ -128,11 +159,9 @@ class VLLMEngine:
 
         prompt_tokens = len(request.prompt_token_ids)
         completion_tokens = 0
-        stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-            to_sampling_params(request.sampling, request.kv_transfer_params),
-            request.request_id,
-        )
+        params = to_sampling_params(request.sampling, request.kv_transfer_params)
+        stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params,
+                                    request.request_id)
         first = True
         async for output in stream:
             completion = output.outputs[0]
@@ -147,6 +176,8 @@ class VLLMEngine:
                 engine_timing=engine_timing(output) if first else None,
                 kv_load=LoadTiming.from_engine(output.kv_transfer_params) if output.finished else None,
                 cached_tokens=(output.num_cached_tokens or 0) if first else None,
+                logprobs=token_logprobs(completion.token_ids, completion.logprobs, params.logprobs),
+                stop_reason=completion.stop_reason if output.finished else None,
             )
             first = False
 

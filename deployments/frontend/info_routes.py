@@ -5,16 +5,29 @@ the generation routes send to the engines."""
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from deployments.errors import bad_request
-from deployments.openai_protocol import ChatMessage, parse_request
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        # As vLLM renders text parts for a string-content chat template: joined by newlines.
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class TokenizeCompletion(_Strict):
@@ -52,6 +65,20 @@ def detokenize(tokenizer: Any, body: object) -> dict:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
                           param="tokens", code="invalid_value")
     return {"prompt": tokenizer.decode(request.tokens)}
+
+
+def parse_request(model: type[BaseModel], body: object) -> BaseModel:
+    """Validate a decoded JSON body; the first problem becomes an HTTP 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_body")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(p) for p in error["loc"]) or None
+        if error["type"] == "extra_forbidden":
+            raise bad_request(f"unknown field '{param}'", param=param, code="unknown_field") from None
+        raise bad_request(f"invalid '{param}': {error['msg']}", param=param, code="invalid_value") from None
 
 
 def model_card(name: str, created: int, max_model_len: int) -> dict:

@@ -1,9 +1,11 @@
 """Fakes with the real interfaces of the ingress's collaborators, and HTTP helpers, shared by
 the ingress tests. FakeEngine has HandleEngineClient's interface (stream() yields TokenDelta /
-EngineFailure, health() raises when unhealthy) and FakeTokenizer has PromptTokenizer's, so the
-ingress runs exactly the code it runs under Serve, minus Ray."""
+EngineFailure, health() raises when unhealthy), so the
+ingress runs exactly the code it runs under Serve, minus Ray. The front end (vLLM's render and
+derender) is the real one, on the tiny checkpoint."""
 
 import asyncio
+import functools
 import inspect
 import json
 from typing import Any
@@ -15,10 +17,9 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from deployments import openai_responses as out
 from deployments.engine_client import HandleEngineClient
 from deployments.openai_ingress import HEALTH_TIMEOUT_S, OpenAIIngress
-from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+from deployments.records import EngineFailure, EngineRequest, TokenDelta
 from deployments.tokenizer import PromptTokenizer
 
 
@@ -28,22 +29,20 @@ HTTP = {"max_request_bytes": 4096}
 BLOCK = object()  # in a script: wait forever (until cancelled)
 
 
-class FakeTokenizer:
-    """One token per character; chat adds one token per message boundary plus a generation prompt."""
+@functools.cache
+def front_end(tool_parser: str | None = None):
+    """vLLM's real render/derender front end on the tiny checkpoint (built once per process and
+    parser: tokenizer and config only, no weights, a few seconds)."""
+    from cluster.checkpoints import ensure_checkpoint
+    from deployments.frontend.render import VLLMFrontEnd
 
-    vocab_size = 200
+    return VLLMFrontEnd.from_model(MODEL, str(ensure_checkpoint("tiny-qwen3-moe", quiet=True)),
+                                   {"tool_parser": tool_parser})
 
-    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 100 + 100 for c in prompt]  # no special tokens in this vocabulary
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        ids: list[int] = []
-        for message in messages:
-            ids += [1] + self.encode_prompt(message["role"] + ":" + message["content"], add_special_tokens=False)
-        return ids + ([2] if add_generation_prompt else [])
-
-    def decode(self, token_ids: list[int]) -> str:
-        return " ".join(f"<{t}>" for t in token_ids)
+def tokenizer() -> PromptTokenizer:
+    """The ingress's tokenizer (the front end's): what the expected prompt ids are computed with."""
+    return PromptTokenizer(front_end().tokenizer)
 
 
 @dataclass
@@ -145,7 +144,7 @@ def make_client(engine: FakeEngine, metrics_backend: FakeMetricsBackend | None =
     from monitoring.exporter import MetricsExporter
 
     exporter = MetricsExporter(backend=metrics_backend or FakeMetricsBackend())
-    ingress = OpenAIIngress(engine, MODEL, http, model_path="unused", tokenizer=FakeTokenizer(), metrics=exporter,
+    ingress = OpenAIIngress(engine, MODEL, http, model_path="unused", metrics=exporter, front=front_end(),
                             **ingress_options)
 
     async def endpoint(request):

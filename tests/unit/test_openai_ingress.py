@@ -8,7 +8,7 @@ import pytest
 
 from deployments.engine_client import HandleEngineClient
 from deployments.openai_ingress import OpenAIIngress
-from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+from deployments.records import EngineFailure, EngineRequest, TokenDelta
 from deployments.tokenizer import PromptTokenizer
 from tests.unit.ingress_fakes import *  # noqa: F403 (fakes, helpers and the engine/client fixtures)
 from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures, named for linters)
@@ -21,9 +21,6 @@ def test_fakes_have_the_real_interfaces():
     assert inspect.iscoroutinefunction(HandleEngineClient.health) and inspect.iscoroutinefunction(FakeEngine.health)
     assert params(FakeEngine.stream) == params(HandleEngineClient.stream)
     assert params(FakeEngine.health) == params(HandleEngineClient.health)
-    for name in ("encode_prompt", "encode_chat", "decode"):
-        assert params(getattr(FakeTokenizer, name)) == params(getattr(PromptTokenizer, name))
-    assert "vocab_size" in vars(FakeTokenizer)  # PromptTokenizer sets it per instance
 
 
 
@@ -61,18 +58,20 @@ def test_completion(client, engine):
     assert body["id"].startswith("cmpl-") and response.headers["x-request-id"] == body["id"]
     (choice,) = body["choices"]
     assert (choice["text"], choice["finish_reason"]) == ("Hello big world", "length")
-    assert "token_ids" not in choice and "prompt_token_ids" not in body
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert choice["token_ids"] is None and body.get("prompt_token_ids") is None
+    prompt = tokenizer().encode_prompt("hey")
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}
     (stream,) = engine.streams
     assert stream.request.request_id == body["id"]
-    assert stream.request.prompt_token_ids == FakeTokenizer().encode_prompt("hey")
+    assert stream.request.prompt_token_ids == prompt
     assert stream.exhausted
 
 
 def test_completion_returns_token_ids_on_request(client):
     body = client.post("/v1/completions", json={"model": "m", "prompt": "hey", "return_token_ids": True}).json()
     assert body["choices"][0]["token_ids"] == [10, 11, 12]
-    assert body["prompt_token_ids"] == FakeTokenizer().encode_prompt("hey")
+    assert body["prompt_token_ids"] == tokenizer().encode_prompt("hey")
+    assert body["choices"][0]["prompt_token_ids"] == body["prompt_token_ids"]
 
 
 def test_completion_with_token_id_prompt(client, engine):
@@ -82,9 +81,10 @@ def test_completion_with_token_id_prompt(client, engine):
 
 
 def test_token_id_outside_vocabulary(client, engine):
-    response = client.post("/v1/completions", json={"model": "m", "prompt": [5, FakeTokenizer.vocab_size]})
-    error = assert_error(response, 400, None, param="prompt")
-    assert str(FakeTokenizer.vocab_size) in error["message"]
+    vocab = tokenizer().vocab_size
+    response = client.post("/v1/completions", json={"model": "m", "prompt": [5, vocab + 10]})
+    error = assert_error(response, 400, "invalid_value", param="prompt")
+    assert str(vocab + 10) in error["message"]
     assert engine.streams == []
 
 
@@ -95,27 +95,41 @@ def test_chat_completion(client, engine):
     body = response.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     (choice,) = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": "Hello big world"}
-    assert engine.streams[0].request.prompt_token_ids == FakeTokenizer().encode_chat(messages)
+    assert (choice["message"]["role"], choice["message"]["content"]) == ("assistant", "Hello big world")
+    assert not choice["message"].get("tool_calls")
+    assert engine.streams[0].request.prompt_token_ids == tokenizer().encode_chat(messages)
 
 
 def test_chat_text_parts_are_joined_before_tokenizing(client, engine):
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
     client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": parts}]})
-    assert engine.streams[0].request.prompt_token_ids == FakeTokenizer().encode_chat([{"role": "user", "content": "hi"}])
+    # As vLLM's server renders text parts for a string-content chat template: joined by newlines.
+    assert engine.streams[0].request.prompt_token_ids == tokenizer().encode_chat([{"role": "user", "content": "h\ni"}])
 
 
 # -- sampling settings handed to the engine ---------------------------------------------------
 
 
-def test_sampling_spec_of_a_completion(client, engine):
+def test_sampling_params_of_a_completion_are_vllms(client, engine):
     client.post("/v1/completions", json={
-        "model": "m", "prompt": "hey", "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7,
-        "stop": ["\n", "END"], "min_tokens": 2, "repetition_penalty": 1.1})
+        "model": "m", "prompt": "hey", "temperature": 0.7, "top_p": 0.5, "top_k": -1, "seed": 7,
+        "stop": ["\n", "END"], "min_tokens": 2, "repetition_penalty": 1.1, "min_p": 0.05,
+        "logit_bias": {"5": 10}, "logprobs": 2})
     sampling = engine.streams[0].request.sampling
-    assert sampling == SamplingSpec(max_tokens=16, temperature=0.0, top_p=0.5, top_k=0, min_tokens=2, seed=7,
-                                    stop=("\n", "END"), repetition_penalty=1.1)
-    assert isinstance(sampling.temperature, float)
+    assert type(sampling).__name__ == "SamplingParams" and sampling.n == 1
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (16, 0.7, 0.5, -1)
+    assert (sampling.seed, sampling.stop, sampling.min_tokens, sampling.repetition_penalty) == (7, ["\n", "END"], 2, 1.1)
+    assert (sampling.min_p, sampling.logprobs) == (0.05, 2)
+    assert sampling.logit_bias == {5: 10}
+
+
+def test_nulls_are_accepted_where_openai_accepts_them(client, engine):
+    response = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": None, "top_p": None,
+        "max_tokens": None, "stop": None, "seed": None, "tools": None, "response_format": None})
+    assert response.status_code == 200, response.text
+    sampling = engine.streams[0].request.sampling
+    assert (sampling.temperature, sampling.top_p) == (1.0, 1.0)
 
 
 def test_completion_max_tokens_defaults_to_16(client, engine):
@@ -127,8 +141,8 @@ def test_chat_without_max_tokens_gets_the_remaining_context(client, engine):
     messages = [{"role": "user", "content": "hi"}]
     client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "stop": "x"})
     sampling = engine.streams[0].request.sampling
-    assert sampling.max_tokens == MAX_MODEL_LEN - len(FakeTokenizer().encode_chat(messages))
-    assert sampling.stop == ("x",)
+    assert sampling.max_tokens == MAX_MODEL_LEN - len(tokenizer().encode_chat(messages))
+    assert sampling.stop == ["x"]
     assert sampling.temperature == 1.0
 
 
@@ -138,33 +152,45 @@ def test_chat_max_completion_tokens(client, engine):
     assert engine.streams[0].request.sampling.max_tokens == 5
 
 
+def test_n_and_batch_prompts_fan_out_into_single_sequence_requests(client, engine):
+    body = client.post("/v1/completions", json={"model": "m", "prompt": [[5, 6], [7, 8]], "n": 2, "seed": 3,
+                                                "max_tokens": 3}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == "Hello big world" for c in body["choices"])
+    requests = sorted((s.request for s in engine.streams), key=lambda r: r.request_id)
+    assert [r.prompt_token_ids for r in requests] == [[5, 6], [5, 6], [7, 8], [7, 8]]
+    assert [r.sampling.seed for r in requests] == [3, 4, 3, 4]  # child i: seed + i, as vLLM does
+    assert all(r.sampling.n == 1 for r in requests)
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+
+
 # -- request errors ---------------------------------------------------------------------------
 
 
 def test_prompt_as_long_as_the_context(client, engine):
-    response = client.post("/v1/completions", json={"model": "m", "prompt": "a" * MAX_MODEL_LEN, "max_tokens": 1})
-    error = assert_error(response, 400, "context_length_exceeded", param="prompt")
+    response = client.post("/v1/completions", json={"model": "m", "prompt": [5] * (MAX_MODEL_LEN + 1),
+                                                    "max_tokens": 1})
+    error = assert_error(response, 400, "context_length_exceeded")
     assert f"{MAX_MODEL_LEN} tokens" in error["message"]
     assert engine.streams == []
 
 
-def test_prompt_plus_max_tokens_over_the_context(client, engine):
-    response = client.post("/v1/completions", json={"model": "m", "prompt": "a" * 60, "max_tokens": 5})
-    error = assert_error(response, 400, "context_length_exceeded", param="max_tokens")
-    assert "at most 4" in error["message"]
-    assert engine.streams == []
+def test_prompt_plus_max_tokens_over_the_context_is_clamped_as_vllm_does(client, engine):
+    response = client.post("/v1/completions", json={"model": "m", "prompt": [5] * 60, "max_tokens": 5})
+    assert response.status_code == 200
+    assert engine.streams[0].request.sampling.max_tokens == 4
 
 
 def test_prompt_plus_max_tokens_exactly_the_context_is_fine(client, engine):
-    response = client.post("/v1/completions", json={"model": "m", "prompt": "a" * 60, "max_tokens": 4})
+    response = client.post("/v1/completions", json={"model": "m", "prompt": [5] * 60, "max_tokens": 4})
     assert response.status_code == 200
     assert engine.streams[0].request.sampling.max_tokens == 4
 
 
 def test_chat_over_the_context(client):
     response = client.post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": "a" * MAX_MODEL_LEN}]})
-    assert_error(response, 400, "context_length_exceeded", param="prompt")
+        "model": "m", "messages": [{"role": "user", "content": " ".join(["word"] * MAX_MODEL_LEN)}]})
+    assert_error(response, 400, "context_length_exceeded")
 
 
 def test_unknown_model(client, engine):
@@ -175,7 +201,7 @@ def test_unknown_model(client, engine):
 
 
 def test_validation_error_reaches_the_client(client):
-    response = client.post("/v1/completions", json={"model": "m", "prompt": "hey", "max_tokens": "5"})
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "hey", "max_tokens": "five"})
     assert_error(response, 400, "invalid_value", param="max_tokens")
 
 

@@ -9,7 +9,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from deployments.openai_ingress import OpenAIIngress
-from tests.unit.ingress_fakes import HELLO, HTTP, MODEL, FakeTokenizer
+from tests.unit.ingress_fakes import HELLO, HTTP, MODEL, front_end
 
 LIMITS = {"max_running": 1, "max_queued": 1, "max_retry_s": 30}
 
@@ -32,7 +32,7 @@ class GatedEngine:
 
 
 def app_for(engine, **options):
-    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer(), **options)
+    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", front=front_end(), **options)
 
     async def endpoint(request):
         return await ingress(request)

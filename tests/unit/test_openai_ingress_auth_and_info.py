@@ -8,7 +8,7 @@ import pytest
 from cluster.errors import ManifestError
 from cluster.manifest import parse_manifest
 from deployments.frontend.api_keys import ApiKeyCheck, ApiKeyConfigError, load_api_keys
-from tests.unit.ingress_fakes import HELLO, HTTP, MAX_MODEL_LEN, FakeEngine, FakeTokenizer, make_client
+from tests.unit.ingress_fakes import HELLO, HTTP, MAX_MODEL_LEN, FakeEngine, make_client, tokenizer
 from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures)
 
 KEY = "k-0123456789abcdef0123"
@@ -105,14 +105,14 @@ def test_manifest_requiring_keys_must_name_a_source():
 
 
 def test_tokenize_and_detokenize_use_the_ingress_tokenizer(client):
-    plain = client.post("/tokenize", json={"model": "m", "prompt": "hey", "add_special_tokens": False}).json()
-    assert plain == {"count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": FakeTokenizer().encode_prompt("hey"),
-                     "token_strs": None}
+    plain = client.post("/tokenize", json={"model": "m", "prompt": "hey you", "add_special_tokens": False}).json()
+    expected = tokenizer().encode_prompt("hey you", add_special_tokens=False)
+    assert plain == {"count": len(expected), "max_model_len": MAX_MODEL_LEN, "tokens": expected, "token_strs": None}
     messages = [{"role": "user", "content": "hi"}]
     chat = client.post("/tokenize", json={"messages": messages}).json()
-    assert chat["tokens"] == FakeTokenizer().encode_chat(messages)
+    assert chat["tokens"] == tokenizer().encode_chat(messages)
     back = client.post("/detokenize", json={"tokens": plain["tokens"]}).json()
-    assert back == {"prompt": FakeTokenizer().decode(plain["tokens"])}
+    assert back == {"prompt": "hey you"}
 
 
 @pytest.mark.parametrize("path,body,status,needle", [

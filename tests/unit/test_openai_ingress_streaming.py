@@ -7,8 +7,9 @@ import json
 import pytest
 
 from deployments.engine_client import HandleEngineClient
-from deployments.openai_ingress import OpenAIIngress
-from deployments.records import EngineFailure, EngineRequest, SamplingSpec, TokenDelta
+from deployments.frontend.responses import ResponseContext
+from deployments.openai_ingress import OpenAIIngress, _merged
+from deployments.records import EngineFailure, EngineRequest, TokenDelta
 from deployments.tokenizer import PromptTokenizer
 from tests.unit.ingress_fakes import *  # noqa: F403 (fakes, helpers and the engine/client fixtures)
 from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures, named for linters)
@@ -57,7 +58,9 @@ def test_streaming_include_usage(client):
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    prompt_tokens = len(tokenizer().encode_prompt("hey"))
+    assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
+                                    "total_tokens": prompt_tokens + 3}
     assert [c["choices"][0]["token_ids"] for c in events[:-2]] == [[10], [11], [12]]
 
 
@@ -147,12 +150,14 @@ def test_closing_the_sse_body_closes_the_engine_stream():
     which for HandleEngineClient cancels the remote call and aborts the request in the engine."""
     engine = FakeEngine(script=deltas("a", "b", "c", "d"))
     _, ingress = make_client(engine)
-    ctx = out.ResponseContext(request_id="cmpl-x", model="m", chat=False, prompt_token_ids=[1])
 
     async def scenario():
-        stream = engine.stream(EngineRequest("cmpl-x", [1], SamplingSpec(max_tokens=4)))
-        first = await anext(stream)
-        body = ingress._sse(ctx, first, stream, ingress._metrics.start("completions"))
+        rendered = await front_end().render(False, {"model": "m", "prompt": [1], "max_tokens": 4, "stream": True})
+        ctx = ResponseContext(rendered, "m")
+        (child,) = rendered.children
+        merged = _merged(rendered.children, [engine.stream(EngineRequest("cmpl-x", [1], child.sampling))])
+        first = await anext(merged)
+        body = ingress._sse(ctx, first, merged, ingress._metrics.start("completions"))
         assert b'"text":"a"' in await anext(body)
         assert b'"text":"b"' in await anext(body)
         await body.aclose()
@@ -168,7 +173,7 @@ def test_client_disconnect_mid_stream_stops_the_engine_stream():
     """Drive the ASGI app by hand: the client disconnects after the first chunk while the engine
     is still generating; the request must end (not hang) and the engine stream must be cancelled."""
     engine = FakeEngine(script=[*deltas("first", finish=None), BLOCK, *HELLO])
-    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", tokenizer=FakeTokenizer())
+    ingress = OpenAIIngress(engine, MODEL, HTTP, model_path="unused", front=front_end())
 
     async def endpoint(request):
         return await ingress(request)
@@ -206,3 +211,21 @@ def test_client_disconnect_mid_stream_stops_the_engine_stream():
     assert len(chunks) == 1 and b'"text":"first"' in chunks[0]
     log = engine.streams[0]
     assert log.cancelled and log.finalized and not log.exhausted
+
+
+def test_streamed_logprobs_are_resolved_by_vllms_derender():
+    def entry(token_id):
+        return (token_id, -0.5, 1, [(token_id, -0.5, 1), (token_id + 1, -1.25, 2)])
+
+    script = [TokenDelta("a", [40], None, 3, 1, logprobs=[entry(40)]),
+              TokenDelta("b", [41], "length", 3, 2, logprobs=[entry(41)])]
+    with make_client(FakeEngine(script=script))[0] as client:
+        response = client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True,
+            "top_logprobs": 2})
+    chunks = [e for e in sse_events(response.text) if e != "[DONE]"]
+    content = [c["choices"][0]["logprobs"]["content"][0] for c in chunks]
+    assert [c["logprob"] for c in content] == [-0.5, -0.5]
+    assert [c["token"] for c in content] == [tokenizer().decode([40]), tokenizer().decode([41])]
+    assert [[t["logprob"] for t in c["top_logprobs"]] for c in content] == [[-0.5, -1.25]] * 2
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["a", "b"]

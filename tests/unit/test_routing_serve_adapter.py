@@ -1,14 +1,15 @@
 """The Serve adapter's translation of Serve's objects into routing records, the replica's
 routing report, and cached-token accounting in OpenAI usage."""
 
+import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
 
-from deployments.openai_responses import ResponseContext, full_response, usage_chunk
+from deployments.frontend.responses import ResponseContext, full_response, usage_chunk
 from deployments.records import EngineRequest, SamplingSpec
 from deployments.routing.block_hashes import prompt_block_hashes
 from deployments.routing.serve_router import replica_state, routing_request
-from tests.unit.ingress_fakes import HELLO, MODEL, FakeEngine, make_client
+from tests.unit.ingress_fakes import HELLO, MODEL, FakeEngine, front_end, make_client
 
 
 def pending(*args):
@@ -41,11 +42,13 @@ def test_a_replica_report_becomes_a_replica_state():
 
 
 def test_usage_reports_cached_prompt_tokens_as_openai_does():
-    ctx = ResponseContext("id", "m", chat=False, prompt_token_ids=[1] * 40)
-    assert "prompt_tokens_details" not in full_response(ctx, "x", [5], "stop")["usage"]
-    ctx.note(replace(HELLO[0], cached_tokens=32))
-    ctx.note(replace(HELLO[1], cached_tokens=0))  # only the first delta's count stands
-    assert full_response(ctx, "x", [5], "stop")["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    rendered = asyncio.run(front_end().render(False, {"model": "m", "prompt": [1] * 40}))
+    ctx = ResponseContext(rendered, "m")
+    choice = [{"index": 0, "text": "x"}]
+    assert "prompt_tokens_details" not in full_response(ctx, choice, [[5]])["usage"]
+    ctx.note_cached(0, replace(HELLO[0], cached_tokens=32))
+    ctx.note_cached(0, replace(HELLO[1], cached_tokens=0))  # only the first delta's count stands
+    assert full_response(ctx, choice, [[5]])["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     assert usage_chunk(ctx, 1)["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 

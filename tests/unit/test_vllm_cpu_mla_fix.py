@@ -45,8 +45,10 @@ def _run(rope_fn, positions, q, kv_lora, is_neox):
 
 @pytest.fixture(autouse=True)
 def _restore():
-    original = ops.rotary_embedding
+    # Each test starts from vLLM's own kernel: the fix is a vLLM general plugin, so any test in
+    # this process that built a vLLM config (the ingress's front end does) has installed it.
     fix.uninstall()
+    original = ops.rotary_embedding
     yield
     fix.uninstall()
     ops.rotary_embedding = original
