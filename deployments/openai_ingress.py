@@ -183,8 +183,11 @@ class OpenAIIngress:
                            code="body_too_large")
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        except (ValueError, RecursionError) as exc:
+            # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of more than
+            # 4300 digits; JSON nested thousands deep exhausts the parser's recursion.
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+            raise bad_request(f"request body is not valid JSON: {reason}", code="invalid_json") from None
 
     def _check_model(self, model: str) -> None:
         if model != self._model_name:
@@ -197,7 +200,13 @@ class OpenAIIngress:
             raise bad_request("request body must be a JSON object", code="invalid_body")
         if isinstance(body.get("model"), str):
             self._check_model(body["model"])
-        rendered = await self._front.render(chat, body)
+        try:
+            rendered = await self._front.render(chat, body)
+        except APIError:
+            if _has_lone_surrogate(body):  # the tokenizer's own error would not say what is wrong
+                raise bad_request("the request's text contains a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                                  "which is not valid Unicode text", code="invalid_text") from None
+            raise
         ctx = ResponseContext(rendered, self._model_name)
         self._admit(self._priority(request))
         trace.dispatch()
@@ -336,6 +345,14 @@ INJECT_KV_FAILURE_HEADER = "x-moe-serve-inject-kv-failure"
 def _test_options(request: Request) -> dict:
     """Fault injection for tests: honoured only where the manifest allows it (disaggregated)."""
     return {"inject_transfer_failure": True} if request.headers.get(INJECT_KV_FAILURE_HEADER) == "1" else {}
+
+
+def _has_lone_surrogate(body: object) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 async def _first_item(stream: AsyncIterator) -> Any:

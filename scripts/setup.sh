@@ -25,7 +25,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # Debian's package starts a system prometheus on :9090; we run our own on other ports.
   if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
-  pkill -x prometheus 2>/dev/null || true
+  # Without systemd the package's init script starts it anyway: stop that one only (it runs with
+  # the package's defaults; every Prometheus moe-serve starts passes --config.file), never a
+  # Prometheus someone else runs on this machine.
+  for pid in $(pgrep -x prometheus || true); do
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q -- '--config.file' || kill "$pid" 2>/dev/null || true
+  done
 fi
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ]; then

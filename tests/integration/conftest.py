@@ -126,6 +126,9 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
     # wire, and prompts repeat across them. The pool on the default layout is proven in
     # test_kv_pool_stack.py (its own application beside this one).
     data["kv_pool"] = {"enabled": False}
+    # Tests opt in to fault injection (a request header forcing a KV transfer failure); every
+    # shipped manifest keeps it off, since any client could send that header.
+    data["kv_transfer"]["allow_fault_injection"] = True
     manifest = parse_manifest(data, "test manifest")
     manifest_path = tmp_path_factory.mktemp("manifest") / "local-test.yaml"
     manifest_path.write_text(yaml.safe_dump(data))

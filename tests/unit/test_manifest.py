@@ -77,9 +77,14 @@ def test_local_manifest_values():
     assert manifest.model.dtype == "float32"  # token-identical EP (see the manifest's comment)
     kv = manifest.kv_transfer
     assert (kv.backend, kv.lease_s, kv.transfer_timeout_s, kv.failure_policy) == ("tcp", 30, 5, "recompute")
-    assert kv.allow_fault_injection
+    assert not kv.allow_fault_injection  # tests opt in; any client could send the header
     with pytest.raises(KeyError):
         manifest.pool("nope")
+
+
+def test_no_shipped_manifest_allows_fault_injection():
+    for path in sorted(LOCAL.parent.glob("*.yaml")):
+        assert not load_manifest(path).kv_transfer.allow_fault_injection, path.name
 
 
 def test_colocated_manifest_values():

@@ -243,3 +243,23 @@ def test_unknown_path(client):
 
 def test_trailing_slash_is_tolerated(client):
     assert client.get("/v1/models/").status_code == 200
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nested too deep to parse
+    b'{"model": "m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # beyond Python's int limit
+], ids=["deep_nesting", "huge_integer"])
+def test_hostile_json_is_a_400_not_a_500(engine, raw):
+    http_client, _ = make_client(engine, http={"max_request_bytes": 1 << 20})
+    with http_client:
+        response = http_client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(response, 400, "invalid_json")
+    assert engine.streams == []
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_400(client, engine):
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    error = assert_error(response, 400, "invalid_text")
+    assert "surrogate" in error["message"]
+    assert engine.streams == []
