@@ -35,9 +35,17 @@ class CoordinatedController:
         self.limits = {limit.pool: limit for limit in limits}
         self._history = {name: PoolHistory(arrivals=ArrivalTrend(config.trend_window_s)) for name in names}
         self._last_known: dict[str, int] = {name: limit.min_replicas for name, limit in self.limits.items()}
+        self._decided: set[str] = set()  # pools this controller has set a target for
 
-    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float) -> ScalingDecisions:
-        """Targets for every configured pool. None or [] means the metrics are unreachable."""
+    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float,
+               serve_sizes: dict[str, int] | None = None) -> ScalingDecisions:
+        """Targets for every configured pool. None or [] means the metrics are unreachable.
+        `serve_sizes`: each pool's replica target as Serve reports it, known even when the metrics
+        are not: a controller that has not decided a pool yet (first deploy, restarted Serve
+        controller, redeploy) holds it there, never at its minimum."""
+        for pool, size in (serve_sizes or {}).items():
+            if pool in self._last_known and pool not in self._decided:
+                self._last_known[pool] = size
         if not observations:
             return self.decide_unreachable(now_s, "no observations: metrics source unreachable")
         by_pool = self._index(observations)
@@ -65,6 +73,7 @@ class CoordinatedController:
             # A hold before the next observation keeps this target: holding at the size observed
             # before it would undo the decision (and restart a replica just removed).
             self._last_known[plan.pool] = target
+            self._decided.add(plan.pool)
         return ScalingDecisions(tuple(decisions), now_s)
 
     def decide_unreachable(self, now_s: float, reason: str) -> ScalingDecisions:

@@ -107,7 +107,7 @@ class DecisionLoop:
         starting = {pool: max(report.target - report.running, 0) for pool, report in reports.items()}
         observations = self._source.observe(replicas, starting)
         now = self._clock()
-        decisions = self.controller.decide(observations, now)
+        decisions = self.controller.decide(observations, now, serve_sizes=replicas)
         with self._lock:
             self._targets.update(decisions.targets())
         self.history.append((now, observations, decisions))

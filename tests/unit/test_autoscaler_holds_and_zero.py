@@ -40,6 +40,24 @@ def test_a_hold_right_after_a_change_keeps_the_change():
     assert explicit.held and explicit.hold_reason == "prometheus: connection refused"
 
 
+@pytest.mark.parametrize("observations", [None, []])
+def test_a_fresh_controller_without_metrics_holds_serves_sizes_not_the_minimum(observations):
+    # First deploy, a restarted Serve controller or a redeploy: a new controller whose first
+    # call finds Prometheus down must keep the pools where Serve has them.
+    policy = controller()
+    assert (PREFILL.min_replicas, DECODE.min_replicas) != (5, 3)
+    result = policy.decide(observations, 0.0, serve_sizes={"prefill": 5, "decode": 3})
+    assert result.held and result.targets() == {"prefill": 5, "decode": 3}
+    assert all(d.current == d.target for d in result.decisions)
+
+
+def test_serves_sizes_do_not_undo_this_controllers_own_decision():
+    policy = controller()
+    grown = policy.decide([prefill(replicas=4, ttft=3.0, queue=12.0), decode()], 0.0)
+    held = policy.decide(None, 2.0, serve_sizes={"prefill": 4, "decode": decode().replicas})
+    assert held.targets() == grown.targets()  # Serve still reports 4 until it applies the change
+
+
 def test_hold_when_a_pool_has_no_observation():
     result = controller().decide([prefill(ttft=9.0, queue=50.0)], 0.0)
     assert result.held and "decode" in result.hold_reason

@@ -118,6 +118,18 @@ def test_the_loop_waits_for_every_pool_then_scales_the_pool_over_its_slo(tmp_pat
     assert exporter.values[(m.AUTOSCALER_LAST_DECISION.name, ())] == clock.now
 
 
+def test_a_loop_started_while_prometheus_is_down_keeps_serves_sizes():
+    # A fresh loop (first deploy, Serve controller restart, redeploy) over pools Serve runs at
+    # 3 and 2: a hold must answer those sizes, not the pools' minimum of 1.
+    loop, source, _, _ = make_loop()
+    source.reachable = False
+    loop.report("prefill", 3, 3)
+    loop.report("decode", 2, 2)
+    decisions = loop.step()
+    assert decisions.held and decisions.targets() == {"prefill": 3, "decode": 2}
+    assert loop.report("prefill", 3, 3) == 3 and loop.report("decode", 2, 2) == 2
+
+
 def test_unreachable_and_stale_metrics_hold_every_pool_and_say_why():
     loop, source, exporter, clock = make_loop()
     loop.report("prefill", 1, 1)
