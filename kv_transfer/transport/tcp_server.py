@@ -18,9 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class TcpTransferServer(TransferServer):
-    """`io_timeout_s` bounds each message once started (a stalled client is dropped)."""
+    """`io_timeout_s` bounds each message once started (a stalled client is dropped);
+    `idle_timeout_s` closes a connection no request arrives on (the client's pool reconnects);
+    at most `max_connections` are served at once (one thread each): past it a new connection
+    gets an error and is closed, so a flood of sockets cannot exhaust threads or descriptors."""
 
     io_timeout_s = 30.0
+    idle_timeout_s = 300.0
+    max_connections = 256
+    accept_retry_s = 0.5  # after an accept() error such as running out of descriptors
 
     def __init__(self, host, port, source, on_release, on_stats, *, leases=None):
         super().__init__(host, port, source, on_release, on_stats, leases=leases)
@@ -30,6 +36,8 @@ class TcpTransferServer(TransferServer):
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._acceptor: threading.Thread | None = None
+        self.accept_errors = 0
+        self.refused_connections = 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -72,24 +80,50 @@ class TcpTransferServer(TransferServer):
                 conn, peer = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return  # listener closed
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # listener closed by stop()
+                # EMFILE, ENOBUFS, ECONNABORTED...: transient. Ending here would leave every later
+                # pull from this engine failing; keep accepting once the pressure eases.
+                self.accept_errors += 1
+                log.warning("KV transfer server %s:%s: accept failed (%s); retrying", self.host, self.port, exc)
+                self._stopping.wait(self.accept_retry_s)
+                continue
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()]
+                full = len(self._threads) >= self.max_connections
+            if full:
+                self.refused_connections += 1
+                self._refuse(conn)
+                continue
             tune_socket(conn)
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                       name=f"kv-tcp-conn-{peer[0]}:{peer[1]}")
             with self._lock:
                 self._conns.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+                self._threads.append(thread)
             thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(wire.encode_error("", f"server busy: {self.max_connections} connections open"))
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self._stopping.is_set():
-                # A pooled connection may idle for long between requests: wait without a
-                # deadline for the next one to begin, then give the whole exchange io_timeout_s.
-                conn.settimeout(None)
-                if not conn.recv(1, socket.MSG_PEEK):
-                    return
+                # A pooled connection may idle between requests: wait up to idle_timeout_s for the
+                # next one to begin, then give the whole exchange io_timeout_s.
+                conn.settimeout(self.idle_timeout_s)
+                try:
+                    if not conn.recv(1, socket.MSG_PEEK):
+                        return
+                except TimeoutError:
+                    return  # idle too long: the client's pool reconnects on its next request
                 deadline = Deadline(self.io_timeout_s)
                 try:
                     message = read_message_start(conn, deadline, 0)  # requests carry no payload
@@ -144,6 +178,11 @@ class TcpTransferServer(TransferServer):
 
     def _leased_pages(self, request_id: str, block_ids: list[int]) -> list[memoryview] | str:
         """The pages of `block_ids` as flat byte views, or why they may not be served."""
+        if len(set(block_ids)) != len(block_ids):
+            return f"read of {request_id!r} names a block more than once"
+        num_blocks = getattr(self.source, "num_blocks", None)
+        if num_blocks is not None and len(block_ids) > num_blocks:
+            return f"read of {request_id!r} names {len(block_ids)} blocks; this engine has {num_blocks}"
         if self.leases is not None:
             lease = self.leases.get(request_id)
             if lease is None:

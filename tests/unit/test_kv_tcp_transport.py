@@ -316,3 +316,83 @@ def test_concurrent_fetches_from_four_threads_are_correct(serve, client, source)
     for t in threads:
         t.join(30)
     assert failures == []
+
+
+# -- hostile or broken peers ------------------------------------------------------------------
+
+
+class CountedPages(BytePages):
+    num_blocks = BLOCKS  # what kv_pages.PageMap reports: reads may not name more blocks
+
+
+def test_a_read_naming_a_block_twice_or_more_blocks_than_exist_is_refused(client):
+    source = CountedPages(seed=3)
+    server = get_backend("tcp").server("127.0.0.1", 0, source, on_release=lambda rid: None,
+                                       on_stats=lambda: {})
+    server.start()
+    try:
+        with pytest.raises(TransferFailed, match="more than once"):
+            _fetch(client, server, [1, 2, 1], sink=BytePages())
+        host, port = server.address
+        many = list(range(BLOCKS + 4))
+        with pytest.raises(TransferFailed, match="names 20 blocks; this engine has 16"):
+            client.fetch(host, port, "req-1", many, [memoryview(bytearray(PAGE_BYTES))] * (LAYERS * len(many)), 5.0)
+        assert _fetch(client, server, [0, 1])[0]  # still serving
+    finally:
+        server.stop()
+
+
+def test_connections_past_the_cap_are_refused_and_served_again_once_one_closes(serve, source, client):
+    server = serve()
+    server.max_connections = 2
+    held = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
+    time.sleep(0.3)  # both accepted and served by their threads
+    with socket.create_connection(server.address, timeout=5) as extra:
+        reply = extra.recv(4096)
+        assert b"server busy" in reply and extra.recv(4096) == b""  # error, then closed
+    assert server.refused_connections == 1
+    held.pop().close()
+    time.sleep(0.3)
+    result, sink = _fetch(client, server, [3])
+    assert _same(source, sink, [3])
+    for sock in held:
+        sock.close()
+
+
+def test_an_idle_connection_is_closed_and_the_client_pool_reconnects(serve, source, client):
+    server = serve()
+    server.idle_timeout_s = 0.3
+    with socket.create_connection(server.address, timeout=5) as idle:
+        idle.settimeout(3)
+        assert idle.recv(1) == b""  # closed by the server, no request ever came
+    assert _fetch(client, server, [2])[0]
+    time.sleep(0.6)  # the pooled connection the client keeps is now closed by the server
+    result, sink = _fetch(client, server, [5])
+    assert _same(source, sink, [5])
+
+
+def test_the_accept_loop_survives_accept_errors(serve, source, client, monkeypatch):
+    server = serve()
+    server.accept_retry_s = 0.05
+    real_accept = server._listener.accept
+    failures = iter([OSError(24, "Too many open files")] * 3)
+
+    class Listener:
+        def __getattr__(self, name):
+            return getattr(server._listener_real, name)
+
+        def accept(self):
+            error = next(failures, None)
+            if error is not None:
+                raise error
+            return real_accept()
+
+    server._listener_real = server._listener
+    server._listener = Listener()
+    deadline = time.monotonic() + 5
+    while server.accept_errors < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.accept_errors == 3  # the loop went on after each one
+    result, sink = _fetch(client, server, [4], timeout_s=5.0)
+    assert _same(source, sink, [4])
+    server._listener = server._listener_real
