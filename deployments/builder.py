@@ -7,6 +7,8 @@ the replica's placement group).
 
 from __future__ import annotations
 
+import secrets
+
 from typing import Any
 
 from ray import serve
@@ -100,12 +102,14 @@ def replica_count_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
     }}
 
 
-def engine_kv_settings(manifest: Manifest, pool_address: dict | None) -> dict | None:
-    """What every engine's connector gets from the manifest: the transfer settings (P/D) and the
-    KV pool's settings with its master's address; None when an engine needs no connector."""
+def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secret: str = "") -> dict | None:
+    """What every engine's connector gets from the manifest: the transfer settings (P/D), the
+    application's lease-grant secret and the KV pool's settings with its master's address; None
+    when an engine needs no connector."""
     if not manifest.disaggregated and pool_address is None:
         return None
     settings = manifest.kv_transfer.model_dump()
+    settings["grant_secret"] = grant_secret
     if pool_address is not None:
         spec = manifest.kv_pool
         settings["pool"] = {
@@ -119,8 +123,8 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None) -> dict | 
 
 
 def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str,
-                       pool_address: dict | None = None):
-    kv_transfer = engine_kv_settings(manifest, pool_address)
+                       pool_address: dict | None = None, grant_secret: str = ""):
+    kv_transfer = engine_kv_settings(manifest, pool_address, grant_secret)
     if pool.expert_parallel is not None:
         rank_options = engine_actor_options(manifest, pool)
         rank_options.pop("label_selector", None)
@@ -201,10 +205,14 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
 
         load_api_keys(manifest.http.auth.api_keys_env, manifest.http.auth.api_keys_file)
     if manifest.disaggregated:
+        # One secret per application build, shared by its engines only: prefill signs the lease
+        # grants that decode presents to read KV (kv_transfer/grants.py). A redeploy makes a new
+        # one; pulls between old and new replicas during the rollout fail into the failure policy.
+        grant_secret = secrets.token_hex(32)
         engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.decode), model, model_path,
-                                    pool_address)
+                                    pool_address, grant_secret)
         prefill = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.prefill), model, model_path,
-                                     pool_address)
+                                     pool_address, grant_secret)
     else:
         engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.colocated), model, model_path,
                                     pool_address)

@@ -139,8 +139,10 @@ class LLMServer:
 
     async def release(self, transfer_params: dict) -> None:
         """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""
-        await asyncio.to_thread(self._kv_client.release, transfer_params["remote_host"],
-                                transfer_params["remote_port"], transfer_params["remote_request_id"], 5.0)
+        params = transfer_params
+        await asyncio.to_thread(self._kv_client.release, params["remote_host"], params["remote_port"],
+                                params["remote_request_id"], 5.0, tuple(params.get("remote_block_ids", ())),
+                                bytes.fromhex(params.get("grant", "")))
 
     async def stats(self) -> ServerStats:
         self._stats.in_flight_request_ids = sorted(self._in_flight)
@@ -237,7 +239,7 @@ def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
         port = probe.getsockname()[1]
     settings = {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
                 "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
-                "failure_policy": kv_transfer["failure_policy"]}
+                "failure_policy": kv_transfer["failure_policy"], "grant_secret": kv_transfer.get("grant_secret", "")}
     if kv_transfer.get("pool"):
         settings["pool"] = {**kv_transfer["pool"], "local_hostname": host}
     return settings

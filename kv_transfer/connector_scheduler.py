@@ -161,11 +161,14 @@ class SchedulerSide:
             return False, None
         lease_s = float(params.get("lease_s", self._settings.lease_s))
         self._plan.grants.append(LeaseGrant(request.request_id, tuple(block_ids), lease_s))
+        deadline_s = time.time() + lease_s
+        key = self._settings.grant_key()
+        grant = key.payload(request.request_id, int(deadline_s * 1000)).hex() if key else ""
         transfer = TransferParams(
             remote_host=self._settings.host, remote_port=self._settings.port,
             remote_engine_id=self._settings.engine_id, remote_request_id=request.request_id,
             remote_block_ids=tuple(block_ids), remote_num_tokens=request.num_computed_tokens,
-            block_size_tokens=self._block_size, lease_deadline_unix_s=time.time() + lease_s,
+            block_size_tokens=self._block_size, lease_deadline_unix_s=deadline_s, grant=grant,
         )
         return True, transfer.to_engine()
 

@@ -100,7 +100,7 @@ class WorkerSide:
         self._client.register_sink(pages)  # backends that register memory do it once, here
         self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
                                             on_release=self._on_release, on_stats=self.stats,
-                                            leases=_ReadGuard(self))
+                                            leases=_ReadGuard(self), grant_key=self._settings.grant_key())
         self._server.start()
         logger.info("kv transfer: serving %d layers x %d blocks (%d B pages; %s) on %s:%s via %s",
                     pages.num_layers, pages.num_blocks, pages.page_bytes,
@@ -122,8 +122,7 @@ class WorkerSide:
         for job in plan.pulls:
             self._pulls.submit(self._pull, job)
         for params in plan.releases:
-            self._pulls.submit(self._release_remote, params.remote_host, params.remote_port,
-                               params.remote_request_id)
+            self._pulls.submit(self._release_remote, params)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -230,8 +229,7 @@ class WorkerSide:
                     self._finished_recving.add(job.request_id)
                     self._failed_recving.add(job.request_id)
                 if job.params is not None:
-                    self._release_remote(job.params.remote_host, job.params.remote_port,
-                                         job.params.remote_request_id)
+                    self._release_remote(job.params)
                 return
         pool_s = time.monotonic() - started
         if job.params is None:
@@ -243,7 +241,7 @@ class WorkerSide:
             with self._lock:
                 self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks))
                 self._finished_recving.add(job.request_id)
-            self._release_remote(job.params.remote_host, job.params.remote_port, job.params.remote_request_id)
+            self._release_remote(job.params)
             return
         self._pull_remote(job, pool_s)
 
@@ -260,7 +258,8 @@ class WorkerSide:
                 raise LeaseExpired(f"lease of {params.remote_request_id} ends before a pull could finish")
             dest = self._pages.pages(list(job.local_block_ids))
             result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
-                                        list(job.remote_block_ids), dest, self._settings.transfer_timeout_s)
+                                        list(job.remote_block_ids), dest, self._settings.transfer_timeout_s,
+                                        params.grant_bytes())
             self._counters.pull_succeeded(len(job.local_block_ids), result.bytes, time.monotonic() - started)
             failed = False
         except Exception as exc:  # network, timeout, remote error, injected: the policy decides
@@ -274,11 +273,13 @@ class WorkerSide:
             self._finished_recving.add(job.request_id)
             if failed:
                 self._failed_recving.add(job.request_id)
-        self._release_remote(params.remote_host, params.remote_port, params.remote_request_id)
+        self._release_remote(params)
 
-    def _release_remote(self, host: str, port: int, request_id: str) -> None:
+    def _release_remote(self, params) -> None:
+        host, port, request_id = params.remote_host, params.remote_port, params.remote_request_id
         try:
-            self._client.release(host, port, request_id, self._settings.transfer_timeout_s)
+            self._client.release(host, port, request_id, self._settings.transfer_timeout_s,
+                                 params.remote_block_ids, params.grant_bytes())
         except Exception as exc:  # the prefill side's lease expiry frees the blocks anyway
             self._counters.release_failed()
             logger.warning("kv transfer: release of %s on %s:%s failed: %s", request_id, host, port, exc)

@@ -27,6 +27,10 @@ class TransferParams:
     block_size_tokens: int
     lease_deadline_unix_s: float
     inject_failure: bool = False  # fault injection for tests (only if the manifest allows it)
+    grant: str = ""  # hex: the prefill's signed grant of exactly these blocks until its deadline
+
+    def grant_bytes(self) -> bytes:
+        return bytes.fromhex(self.grant) if self.grant else b""
 
     def to_engine(self) -> dict[str, Any]:
         """kv_transfer_params for the decode engine's request."""

@@ -28,7 +28,8 @@ class BackgroundReleaser:
 
     def _release(self, params: TransferParams) -> None:
         try:
-            self._client.release(params.remote_host, params.remote_port, params.remote_request_id, self._timeout_s)
+            self._client.release(params.remote_host, params.remote_port, params.remote_request_id, self._timeout_s,
+                                 params.remote_block_ids, params.grant_bytes())
         except Exception as exc:  # the prefill side's lease deadline frees the blocks anyway
             logger.warning("kv transfer: release of %s on %s:%s failed: %s", params.remote_request_id,
                            params.remote_host, params.remote_port, exc)

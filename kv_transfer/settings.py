@@ -17,9 +17,18 @@ class ConnectorSettings:
     failure_policy: str = "recompute"  # recompute | fail (mirrors vLLM's kv_load_failure_policy)
     max_concurrent_pulls: int = 4
     pool: dict[str, Any] | None = None  # kv_transfer.pool.store.PoolSettings as a dict; None: no pool
+    # Hex secret shared by the application's engines: prefill signs its lease grants with it and
+    # serves reads only with a valid grant (kv_transfer.grants). Empty: grants are not checked.
+    grant_secret: str = ""
 
     def to_extra_config(self) -> dict[str, Any]:
         return asdict(self)
+
+    def grant_key(self):
+        """The GrantKey of `grant_secret`, or None when grants are off."""
+        from kv_transfer.grants import GrantKey
+
+        return GrantKey(self.grant_secret) if self.grant_secret else None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -32,6 +41,10 @@ class ConnectorSettings:
             from kv_transfer.pool.store import PoolSettings
 
             PoolSettings.from_dict(settings.pool)  # fails here, naming the field, not in an engine step
+        if settings.grant_secret:
+            from kv_transfer.grants import GrantKey
+
+            GrantKey(settings.grant_secret)  # a malformed secret fails here, not on the first read
         if settings.failure_policy not in ("recompute", "fail"):
             raise ValueError(f"failure_policy must be recompute or fail, got {settings.failure_policy!r}")
         return settings

@@ -15,7 +15,9 @@ payload. All integers are unsigned, network byte order (big-endian):
       20+R   4*B  block_ids         u32[B]  B = block_count
     20+R+4B    P  payload           bytes   P = payload_len
 
-Payloads by type: READ_BLOCKS, RELEASE, STATS, DESCRIBE_BLOCKS carry none; DATA carries the
+Payloads by type: READ_BLOCKS, RELEASE and DESCRIBE_BLOCKS carry the lease grant the prefill
+signed (kv_transfer.grants: 40 bytes; none where the application runs without grants), STATS
+none; DATA carries the
 pages back to back in the order requested; OK carries nothing, (for STATS) utf-8 JSON, or (for
 DESCRIBE_BLOCKS) a page table; ERROR carries a utf-8 message.
 
@@ -106,20 +108,20 @@ def encode_prefix(msg_type: MessageType, request_id: str = "", block_ids: Sequen
     return header + raw_id + ids
 
 
-def encode_read_blocks(request_id: str, block_ids: Sequence[int]) -> bytes:
-    return encode_prefix(MessageType.READ_BLOCKS, request_id, block_ids)
+def encode_read_blocks(request_id: str, block_ids: Sequence[int], grant: bytes = b"") -> bytes:
+    return encode_prefix(MessageType.READ_BLOCKS, request_id, block_ids, len(grant)) + grant
 
 
-def encode_release(request_id: str) -> bytes:
-    return encode_prefix(MessageType.RELEASE, request_id)
+def encode_release(request_id: str, block_ids: Sequence[int] = (), grant: bytes = b"") -> bytes:
+    return encode_prefix(MessageType.RELEASE, request_id, block_ids, len(grant)) + grant
 
 
 def encode_stats() -> bytes:
     return encode_prefix(MessageType.STATS)
 
 
-def encode_describe_blocks(request_id: str, block_ids: Sequence[int]) -> bytes:
-    return encode_prefix(MessageType.DESCRIBE_BLOCKS, request_id, block_ids)
+def encode_describe_blocks(request_id: str, block_ids: Sequence[int], grant: bytes = b"") -> bytes:
+    return encode_prefix(MessageType.DESCRIBE_BLOCKS, request_id, block_ids, len(grant)) + grant
 
 
 def page_table_bytes(count: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterable, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -78,7 +78,10 @@ class TransferServer(abc.ABC):
 
     def __init__(self, host: str, port: int, source: PageSource,
                  on_release: Callable[[str], None], on_stats: Callable[[], dict],
-                 *, leases: LeaseLookup | None = None):
+                 *, leases: LeaseLookup | None = None, grant_key: Any = None):
+        """`grant_key`: a kv_transfer.grants.GrantKey; with it, READ, DESCRIBE and RELEASE are
+        answered only for a grant that verifies (reads also only before its deadline)."""
+        self.grant_key = grant_key
         self.host = host
         self.port = port
         self.source = source
@@ -109,15 +112,17 @@ class TransferClient(abc.ABC):
 
     @abc.abstractmethod
     def fetch(self, host: str, port: int, request_id: str, remote_block_ids: list[int],
-              dest_pages: list[memoryview], timeout_s: float) -> FetchResult:
+              dest_pages: list[memoryview], timeout_s: float, grant: bytes = b"") -> FetchResult:
         """Receive the remote pages of `remote_block_ids` (layer-major) into `dest_pages`.
+        `grant`: the prefill's signed grant of these blocks (TransferParams.grant_bytes()).
 
         On failure the dest pages may hold part of the data; the caller must not use them.
         """
 
     @abc.abstractmethod
-    def release(self, host: str, port: int, request_id: str, timeout_s: float) -> None:
-        """Tell the server the request's blocks may be freed."""
+    def release(self, host: str, port: int, request_id: str, timeout_s: float,
+                block_ids: tuple[int, ...] | list[int] = (), grant: bytes = b"") -> None:
+        """Tell the server the request's blocks may be freed (with the lease's grant)."""
 
     @abc.abstractmethod
     def stats(self, host: str, port: int, timeout_s: float) -> dict:
@@ -141,8 +146,9 @@ class TransportBackend:
 
     @classmethod
     def server(cls, host: str, port: int, source: PageSource, on_release: Callable[[str], None],
-               on_stats: Callable[[], dict], *, leases: LeaseLookup | None = None) -> TransferServer:
-        return cls.server_cls(host, port, source, on_release, on_stats, leases=leases)
+               on_stats: Callable[[], dict], *, leases: LeaseLookup | None = None,
+               grant_key: Any = None) -> TransferServer:
+        return cls.server_cls(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key)
 
     @classmethod
     def client(cls) -> TransferClient:

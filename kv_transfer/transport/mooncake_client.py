@@ -40,7 +40,7 @@ class MooncakeTransferClient(TcpTransferClient):
             # No peer known yet: name the engine by loopback (the name matters only for RDMA).
             self._local_memory("127.0.0.1").add_regions(sink.regions())
 
-    def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s) -> FetchResult:
+    def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s, grant=b"") -> FetchResult:
         views = dest_views(dest_pages, remote_block_ids)
         started_s = time.perf_counter()
 
@@ -49,7 +49,7 @@ class MooncakeTransferClient(TcpTransferClient):
                                  wire.page_table_bytes(len(views)))
             return wire.decode_page_table(recv_exact(sock, header.payload_len_bytes, deadline))
 
-        request = wire.encode_describe_blocks(request_id, remote_block_ids)
+        request = wire.encode_describe_blocks(request_id, remote_block_ids, grant)
         table = self._exchange(host, port, timeout_s, request, read_table)
         _check_table(table, views, request_id)
         memory = self._local_memory(host)

@@ -24,8 +24,8 @@ class MooncakeTransferServer(TcpTransferServer):
     """`host` must be an address clients reach this machine at: it is also the engine's name
     in its handshake, and clients read from the engine at `host:rpc_port`."""
 
-    def __init__(self, host, port, source, on_release, on_stats, *, leases=None):
-        super().__init__(host, port, source, on_release, on_stats, leases=leases)
+    def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None):
+        super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key)
         self._engine = None
         self._memory: MemoryRegistry | None = None
         self.rpc_port = 0
@@ -49,10 +49,10 @@ class MooncakeTransferServer(TcpTransferServer):
         self._engine = self._memory = None
 
     def _dispatch(self, conn, msg_type: MessageType, request_id: str, block_ids: list[int],
-                  deadline: Deadline) -> bool:
+                  deadline: Deadline, grant: bytes = b"") -> bool:
         if msg_type != MessageType.DESCRIBE_BLOCKS:
-            return super()._dispatch(conn, msg_type, request_id, block_ids, deadline)
-        pages = self._leased_pages(request_id, block_ids)
+            return super()._dispatch(conn, msg_type, request_id, block_ids, deadline, grant)
+        pages = self._leased_pages(request_id, block_ids, grant)
         if isinstance(pages, str):
             reply = wire.encode_error(request_id, pages)
         else:

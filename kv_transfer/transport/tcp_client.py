@@ -27,7 +27,7 @@ class TcpTransferClient(TransferClient):
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
 
-    def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s) -> FetchResult:
+    def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s, grant=b"") -> FetchResult:
         views = dest_views(dest_pages, remote_block_ids)
         expected = sum(v.nbytes for v in views)
 
@@ -39,14 +39,14 @@ class TcpTransferClient(TransferClient):
             return recv_into_pages(sock, views, deadline)
 
         started_s = time.perf_counter()
-        request = wire.encode_read_blocks(request_id, remote_block_ids)
+        request = wire.encode_read_blocks(request_id, remote_block_ids, grant)
         received = self._exchange(host, port, timeout_s, request, receive)
         return FetchResult(received, time.perf_counter() - started_s)
 
-    def release(self, host, port, request_id, timeout_s) -> None:
+    def release(self, host, port, request_id, timeout_s, block_ids=(), grant=b"") -> None:
         def ok(sock: socket.socket, deadline: Deadline) -> None:
             self._reply(sock, deadline, request_id, MessageType.OK, 0)
-        self._exchange(host, port, timeout_s, wire.encode_release(request_id), ok)
+        self._exchange(host, port, timeout_s, wire.encode_release(request_id, block_ids, grant), ok)
 
     def stats(self, host, port, timeout_s) -> dict:
         def read(sock: socket.socket, deadline: Deadline) -> dict:

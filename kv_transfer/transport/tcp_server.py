@@ -6,11 +6,12 @@ import json
 import logging
 import socket
 import threading
+import time
 
-from kv_transfer import wire
+from kv_transfer import grants, wire
 from kv_transfer.errors import KVTransferError, WireError
 from kv_transfer.transport.base import TransferServer
-from kv_transfer.transport.sockio import (Deadline, byte_view, read_message_start,
+from kv_transfer.transport.sockio import (Deadline, byte_view, read_message_start, recv_exact,
                                           send_buffers, tune_socket)
 from kv_transfer.wire import MessageType
 
@@ -28,8 +29,8 @@ class TcpTransferServer(TransferServer):
     max_connections = 256
     accept_retry_s = 0.5  # after an accept() error such as running out of descriptors
 
-    def __init__(self, host, port, source, on_release, on_stats, *, leases=None):
-        super().__init__(host, port, source, on_release, on_stats, leases=leases)
+    def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None):
+        super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key)
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -38,6 +39,7 @@ class TcpTransferServer(TransferServer):
         self._acceptor: threading.Thread | None = None
         self.accept_errors = 0
         self.refused_connections = 0
+        self.refused_requests = 0  # reads and releases without a valid grant
 
     @property
     def address(self) -> tuple[str, int]:
@@ -126,7 +128,8 @@ class TcpTransferServer(TransferServer):
                     return  # idle too long: the client's pool reconnects on its next request
                 deadline = Deadline(self.io_timeout_s)
                 try:
-                    message = read_message_start(conn, deadline, 0)  # requests carry no payload
+                    # Requests carry at most a lease grant; a longer payload is a framing error.
+                    message = read_message_start(conn, deadline, grants.PAYLOAD_BYTES)
                 except WireError as exc:
                     # The stream is out of step with the framing; nothing after this is trustworthy.
                     send_buffers(conn, [wire.encode_error("", f"bad message: {exc}")], deadline)
@@ -134,7 +137,8 @@ class TcpTransferServer(TransferServer):
                 if message is None:
                     return
                 header, request_id, block_ids = message
-                if not self._dispatch(conn, header.type, request_id, list(block_ids), deadline):
+                grant = bytes(recv_exact(conn, header.payload_len_bytes, deadline)) if header.payload_len_bytes else b""
+                if not self._dispatch(conn, header.type, request_id, list(block_ids), deadline, grant):
                     return
         except (OSError, KVTransferError) as exc:
             log.debug("KV transfer connection dropped: %s", exc)
@@ -144,20 +148,24 @@ class TcpTransferServer(TransferServer):
             conn.close()
 
     def _dispatch(self, conn, msg_type: MessageType, request_id: str, block_ids: list[int],
-                  deadline: Deadline) -> bool:
+                  deadline: Deadline, grant: bytes = b"") -> bool:
         """Answer one request; False closes the connection."""
         def error(text: str) -> bool:
             send_buffers(conn, [wire.encode_error(request_id, text)], deadline)
             return True
 
         if msg_type == MessageType.READ_BLOCKS:
-            pages = self._leased_pages(request_id, block_ids)
+            pages = self._leased_pages(request_id, block_ids, grant)
             if isinstance(pages, str):
                 return error(pages)
             prefix = wire.encode_data_prefix(request_id, sum(p.nbytes for p in pages))
             send_buffers(conn, [prefix, *pages], deadline)
             return True
         if msg_type == MessageType.RELEASE:
+            refused = self._refused(request_id, grant, live=False)  # a late release is harmless
+            if refused:
+                self.refused_requests += 1
+                return error(f"release of {request_id!r} refused: {refused}")
             try:
                 self.on_release(request_id)
             except Exception as exc:  # the callback's failure is the client's answer
@@ -176,8 +184,19 @@ class TcpTransferServer(TransferServer):
         error(f"{msg_type.name} is not a request this server answers")
         return False
 
-    def _leased_pages(self, request_id: str, block_ids: list[int]) -> list[memoryview] | str:
+    def _refused(self, request_id: str, grant: bytes, *, live: bool = True) -> str | None:
+        """Why this request's grant does not authorize it (None: it does, or grants are off)."""
+        if self.grant_key is None:
+            return None
+        return self.grant_key.check(request_id, grant, int(time.time() * 1000) if live else None)
+
+    def _leased_pages(self, request_id: str, block_ids: list[int], grant: bytes = b""
+                      ) -> list[memoryview] | str:
         """The pages of `block_ids` as flat byte views, or why they may not be served."""
+        refused = self._refused(request_id, grant)
+        if refused:
+            self.refused_requests += 1
+            return f"read of {request_id!r} refused: {refused}"
         if len(set(block_ids)) != len(block_ids):
             return f"read of {request_id!r} names a block more than once"
         num_blocks = getattr(self.source, "num_blocks", None)

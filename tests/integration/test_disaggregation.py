@@ -130,3 +130,37 @@ def test_injected_failure_with_recompute_policy_returns_identical_output(stack, 
     assert decode.kv_transfer["fallbacks_total"] == before["fallbacks_total"] + 1
     assert decode.kv_transfer["pulls_failed_total"] == before["pulls_failed_total"] + 1
     assert prefill.kv_transfer["leases_outstanding"] == 0  # the failed pull still released the lease
+
+
+def test_the_prefill_kv_port_refuses_reads_without_a_valid_grant(stack, engine_stats):
+    """A finished prefill's lease, read straight from its KV port as a stranger would: no grant,
+    another request's grant and a made-up request id are all refused; its own grant releases it."""
+    from ray import serve
+
+    from deployments.records import EngineRequest, PrefillResult, SamplingSpec
+    from kv_transfer.params import TransferParams
+    from kv_transfer.transport import get_backend
+
+    prefill = serve.get_deployment_handle("prefill", app_name=stack.app_name)
+    results = [prefill.prefill.remote(EngineRequest(f"grant-probe-{i}", list(range(100 + i, 400 + i)),
+                                                     SamplingSpec(max_tokens=1))).result(timeout_s=120)
+               for i in range(2)]
+    assert all(isinstance(r, PrefillResult) for r in results), results
+    mine, other = (TransferParams.from_engine(r.transfer_params) for r in results)
+    assert len(mine.grant_bytes()) == 40  # the default layout runs with grants
+    client = get_backend("tcp").client()
+    blocks = list(mine.remote_block_ids)
+    page_bytes = 1 << 22  # larger than any page: a refusal comes before any data
+    try:
+        for request_id, grant in ((mine.remote_request_id, b""), (mine.remote_request_id, other.grant_bytes()),
+                                  ("invented-request", mine.grant_bytes())):
+            with pytest.raises(Exception, match="refused"):
+                client.fetch(mine.remote_host, mine.remote_port, request_id, blocks,
+                             [memoryview(bytearray(page_bytes))] * len(blocks), 5.0, grant)
+    finally:
+        for params in (mine, other):
+            client.release(params.remote_host, params.remote_port, params.remote_request_id, 5.0,
+                           params.remote_block_ids, params.grant_bytes())
+        client.close()
+    prefill_kv = _kv(engine_stats, "prefill")
+    assert prefill_kv["leases_outstanding"] == 0 or _wait_until_settled(engine_stats)[0]["leases_outstanding"] == 0

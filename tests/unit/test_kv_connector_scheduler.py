@@ -78,6 +78,24 @@ def test_prefill_normal_finish_holds_blocks_and_names_them(side):
     assert plan.pulls == [] and plan.releases == []
 
 
+def test_prefill_signs_its_lease_grant_when_the_application_has_a_secret():
+    from dataclasses import replace
+
+    from kv_transfer.grants import GrantKey
+
+    secret = "5e" * 32
+    side = SchedulerSide(replace(SETTINGS, grant_secret=secret), BLOCK_SIZE)
+    _, engine_params = side.finished(prefill_request("p-9", prompt_len=40), [5, 6, 7], normally=True)
+    transfer = TransferParams.from_engine(engine_params)
+    grant = transfer.grant_bytes()
+    # Signed over the request id and the deadline decode is told, in milliseconds of this clock.
+    assert int.from_bytes(grant[32:], "big") == int(transfer.lease_deadline_unix_s * 1000)
+    assert GrantKey(secret).check("p-9", grant, int(time.time() * 1000)) is None
+    assert GrantKey(secret).check("p-8", grant, int(time.time() * 1000)) is not None
+    unsigned = SchedulerSide(SETTINGS, BLOCK_SIZE).finished(prefill_request("p-9"), [5], normally=True)[1]
+    assert TransferParams.from_engine(unsigned).grant == ""  # grants off: nothing to present
+
+
 def test_prefill_lease_length_can_come_with_the_request(side):
     request = prefill_request(params={PRODUCE_KEY: True, "lease_s": 1.5})
     before_s = time.time()

@@ -40,9 +40,11 @@ class GatedEngine:
 class RecordingKVClient:
     def __init__(self):
         self.released: list[str] = []
+        self.grants: list[bytes] = []
 
-    def release(self, host, port, request_id, timeout_s):
+    def release(self, host, port, request_id, timeout_s, block_ids=(), grant=b""):
         self.released.append(request_id)
+        self.grants.append(grant)
 
 
 def make_server():
