@@ -12,6 +12,8 @@ Every engine serves its blocks (prefill role) and pulls blocks (decode role):
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import threading
 from collections import OrderedDict
@@ -57,6 +59,21 @@ class _ReadGuard:
     def __init__(self, worker: "WorkerSide"):
         self._worker = worker
 
+    @contextlib.contextmanager
+    def sending(self, request_id: str):
+        """Around the server's send of a request's pages: a lease that ends meanwhile (released
+        or expired) keeps its blocks until the send is done, so no page is reused mid-send."""
+        worker = self._worker
+        with worker._lock:
+            worker._sends_in_flight[request_id] = worker._sends_in_flight.get(request_id, 0) + 1
+        try:
+            yield
+        finally:
+            with worker._lock:
+                left = worker._sends_in_flight.pop(request_id) - 1
+                if left:
+                    worker._sends_in_flight[request_id] = left
+
     def get(self, request_id: str):
         worker = self._worker
         lease = worker._leases.get(request_id)
@@ -74,6 +91,7 @@ class WorkerSide:
         self._pool = pool
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kv-pool-store") if pool is not None else None
         self._stores_pending: set[str] = set()
+        self._sends_in_flight: dict[str, int] = {}  # request id -> pages being sent now (server threads)
         self._backend = get_backend(settings.backend)
         self._leases = LeaseTable()
         self._counters = TransferCounters()
@@ -141,9 +159,9 @@ class WorkerSide:
             logger.warning("kv transfer: lease of %s expired unreleased; freeing %d blocks",
                            lease.request_id, len(lease.block_ids))
         with self._lock:
-            # A lease that ended while the request's blocks are still being stored: keep the
-            # blocks until the store is done (it reports the request itself then).
-            sending = self._finished_sending - self._stores_pending
+            # A lease that ended while the request's blocks are still being stored or sent: keep
+            # the blocks until that is done (reported on a later call).
+            sending = self._finished_sending - self._stores_pending - self._sends_in_flight.keys()
             out = (sending, self._finished_recving, self._failed_recving)
             self._finished_sending -= sending
             self._finished_recving, self._failed_recving = set(), set()

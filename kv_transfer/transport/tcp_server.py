@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -155,11 +156,15 @@ class TcpTransferServer(TransferServer):
             return True
 
         if msg_type == MessageType.READ_BLOCKS:
-            pages = self._leased_pages(request_id, block_ids, grant)
-            if isinstance(pages, str):
-                return error(pages)
-            prefix = wire.encode_data_prefix(request_id, sum(p.nbytes for p in pages))
-            send_buffers(conn, [prefix, *pages], deadline)
+            # Pinned before the lease is checked: a lease ending after the check keeps its pages
+            # until they are sent; one that ended before it is refused by the check.
+            sending = getattr(self.leases, "sending", None)
+            with sending(request_id) if sending is not None else contextlib.nullcontext():
+                pages = self._leased_pages(request_id, block_ids, grant)
+                if isinstance(pages, str):
+                    return error(pages)
+                prefix = wire.encode_data_prefix(request_id, sum(p.nbytes for p in pages))
+                send_buffers(conn, [prefix, *pages], deadline)
             return True
         if msg_type == MessageType.RELEASE:
             refused = self._refused(request_id, grant, live=False)  # a late release is harmless

@@ -244,6 +244,16 @@ def test_unreleased_lease_expires_and_is_reported_as_sent(prefill):
     assert (stats["leases_expired_total"], stats["leases_released_total"]) == (1, 0)
 
 
+def test_a_lease_ending_while_its_pages_are_sent_keeps_them_until_the_send_is_done(prefill):
+    guard = prefill.worker._server.leases  # what the transport server consults (and pins through)
+    grant(prefill, "p-1", (1, 2), lease_s=0.2)
+    with guard.sending("p-1"):
+        time.sleep(0.4)  # the lease expires mid-send
+        assert "p-1" not in prefill.worker.results()[0]  # finished_sending: the blocks may not be freed yet
+        assert prefill.worker.stats()["leases_expired_total"] == 1
+    assert collect(prefill, lambda r: "p-1" in r.sending) == Results(sending={"p-1"})
+
+
 def test_release_before_the_grant_frees_the_blocks_when_the_grant_arrives(prefill, client):
     # Decode can pull and release before the prefill engine's next step delivers the grant.
     client.release(HOST, prefill.port, "p-1", 2.0)  # returns once the worker handled it
