@@ -25,6 +25,10 @@ from deployments.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
+# Each sequence is its own engine request: bound what one HTTP request can fan out to (vLLM's
+# own limit, VLLM_MAX_N_SEQUENCES, is 16384 per prompt, times up to 1024 prompts).
+MAX_SEQUENCES_PER_REQUEST = 128
+
 
 @dataclass(frozen=True)
 class Child:
@@ -128,6 +132,10 @@ class VLLMFrontEnd:
                 raise bad_request(f"prompt token id {outside} is outside the vocabulary [0, {vocab})",
                                   param="prompt", code="invalid_value")
         n = request.n or 1
+        if n * len(generated) > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(f"n ({n}) x prompts ({len(generated)}) asks for {n * len(generated)} sequences; "
+                              f"one request may ask for at most {MAX_SEQUENCES_PER_REQUEST}", param="n",
+                              code="invalid_value")
         children = []
         for prompt_index, one in enumerate(generated):
             for sample in range(n):
