@@ -105,3 +105,13 @@ def test_a_prompt_over_the_context_names_the_limit():
 def test_token_ids_outside_the_vocabulary_never_reach_an_engine():
     error = rejected(False, {"model": "m", "prompt": [1, 10 ** 7]})
     assert (error.code, error.param) == ("invalid_value", "prompt") and "10000000" in error.message
+
+
+def test_one_request_fans_out_to_a_bounded_number_of_sequences():
+    from deployments.frontend.render import MAX_SEQUENCES_PER_REQUEST
+
+    ok = render(False, {"model": "m", "prompt": ["a", "b"], "n": MAX_SEQUENCES_PER_REQUEST // 2, "temperature": 1})
+    assert len(ok.children) == MAX_SEQUENCES_PER_REQUEST
+    error = rejected(False, {"model": "m", "prompt": ["a", "b", "c"], "n": MAX_SEQUENCES_PER_REQUEST // 2,
+                             "temperature": 1})
+    assert error.param == "n" and str(MAX_SEQUENCES_PER_REQUEST) in error.message
