@@ -198,8 +198,7 @@ class OpenAIIngress:
         body = await self._json_body(request)
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object", code="invalid_body")
-        if isinstance(body.get("model"), str):
-            self._check_model(body["model"])
+        self._check_model_if_named(body)
         try:
             rendered = await self._front.render(chat, body)
         except APIError:
@@ -217,9 +216,8 @@ class OpenAIIngress:
         for child in rendered.children:
             request_id = f"{rendered.request_id}-{child.index}" if many else rendered.request_id
             engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id)
-            stream = self._engine.stream(engine_request, trace=trace, **options)
-            streams.append(self._released_when_done(stream) if self._gate is not None and not many else stream)
-        if self._gate is not None and many:  # one admission slot per OpenAI request
+            streams.append(self._engine.stream(engine_request, trace=trace, **options))
+        if self._gate is not None:  # one admission slot per OpenAI request, however many sequences
             streams[0] = self._released_when_done(streams[0])
         if rendered.stream:
             merged = _merged(rendered.children, streams)

@@ -67,6 +67,7 @@ class SchedulerSide:
                  release_now: Callable[[TransferParams], None] | None = None, pool: Any = None):
         """`pool`: a PoolScheduler when the engine uses a KV pool."""
         self._settings = settings
+        self._grant_key = settings.grant_key()  # signs every lease this prefill grants (None: off)
         self._block_size = block_size_tokens
         self._plan = StepPlan()
         self._release_now = release_now
@@ -162,7 +163,7 @@ class SchedulerSide:
         lease_s = float(params.get("lease_s", self._settings.lease_s))
         self._plan.grants.append(LeaseGrant(request.request_id, tuple(block_ids), lease_s))
         deadline_s = time.time() + lease_s
-        key = self._settings.grant_key()
+        key = self._grant_key
         grant = key.payload(request.request_id, int(deadline_s * 1000)).hex() if key else ""
         transfer = TransferParams(
             remote_host=self._settings.host, remote_port=self._settings.port,
