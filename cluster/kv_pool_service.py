@@ -197,16 +197,16 @@ class KVPoolMaster:
 
 
 def ensure_pool(app_name: str, host: str = "127.0.0.1", rpc_port: int | None = None,
-                http_port: int | None = None) -> dict:
-    """The app's pool master (started on this node if not running); its `address()` once it
-    accepts connections. Needs a connected Ray driver. A running master keeps its ports (the
-    clients know them): `rpc_port`/`http_port` only apply when it is started."""
+                http_port: int | None = None, node_id: str | None = None) -> dict:
+    """The app's pool master (started on `node_id`, default this node, if not running); its
+    `address()` once it accepts connections. Needs a connected Ray driver. A running master
+    keeps its ports (the clients know them): `rpc_port`/`http_port` only apply when it starts."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = _live_actor(app_name)
     if actor is None:
-        node_id = ray.get_runtime_context().get_node_id()
+        node_id = node_id or ray.get_runtime_context().get_node_id()
         actor = ray.remote(KVPoolMaster).options(
             name=actor_name(app_name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=4,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from cluster.checkpoints import resolve_model_path
 from cluster.errors import ClusterError
 from cluster.local_cluster import LOOPBACK, apply_ray_environment
+from cluster.app_registry import forget_app, record_app, recorded_apps
 from cluster.manifest import Manifest
 
 
@@ -58,7 +59,8 @@ def deploy(manifest: Manifest, progress=print, timeout_s: float = DEFAULT_DEPLOY
     progress(f"checkpoint {model_path}")
     serve.start(http_options={"host": manifest.http.host, "port": manifest.http.port},
                 proxy_location=manifest.http.proxy_location)
-    pool_address = _start_kv_pool(manifest, progress) if manifest.kv_pool.enabled else None
+    pool_address = start_kv_pool(manifest, progress) if manifest.kv_pool.enabled else None
+    record_app(manifest.name)  # before Serve has it: an interrupted deploy is still ours to remove
     progress(f"deploying application '{manifest.name}': "
              + ", ".join(f"{p.name} x{p.replicas} ({p.role.value}{_bounds(p)})" for p in manifest.pools)
              + " (vLLM engines take ~30-60 s to start on CPU)")
@@ -101,19 +103,29 @@ def _replica_summary(app) -> str:
     return "; ".join(parts)
 
 
-def _start_kv_pool(manifest: Manifest, progress) -> dict:
-    """The application's KV pool master, on this (the head) node; kept across redeploys."""
-    import ray
-
+def start_kv_pool(manifest: Manifest, progress=print) -> dict:
+    """The application's KV pool master, on the head node; kept across redeploys."""
     from cluster.kv_pool_service import ensure_pool
 
     spec = manifest.kv_pool
-    progress(f"starting the KV pool (Mooncake Store master) for '{manifest.name}' on this node")
-    address = ensure_pool(manifest.name, host=ray.util.get_node_ip_address(), rpc_port=spec.master_rpc_port,
-                          http_port=spec.master_http_port)
+    node_id, host = head_node()
+    progress(f"starting the KV pool (Mooncake Store master) for '{manifest.name}' on the head node")
+    address = ensure_pool(manifest.name, host=host, rpc_port=spec.master_rpc_port,
+                          http_port=spec.master_http_port, node_id=node_id)
     progress(f"KV pool master at {address['master_address']} (metadata {address['metadata_url']}); "
              f"each engine contributes {spec.segment_mib} MiB")
     return address
+
+
+def head_node() -> tuple[str, str]:
+    """(node id, IP) of the cluster's head node: where the pool master lives whichever process
+    deploys (a driver on the head, a `ray job` anywhere, Serve's config build task)."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"], node["NodeManagerAddress"]
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
 def _bounds(pool) -> str:
@@ -150,15 +162,29 @@ def _name(value: object) -> str:
 
 
 def remove(app_name: str | None) -> str:
+    """Delete `app_name`, or every application moe-serve deployed on this cluster (by either
+    path), with their KV pools. Serve applications someone else deployed are left running."""
     from ray import serve
 
     from cluster.kv_pool_service import stop_pool
 
+    running = set(serve.status().applications)
     if app_name:
-        serve.delete(app_name)
-        pool = " and its KV pool" if stop_pool(app_name) else ""
-        return f"deleted application {app_name}{pool}"
-    names = list(serve.status().applications)
-    serve.shutdown()
-    pools = [name for name in names if stop_pool(name)]
-    return "shut down Serve (all applications)" + (f" and the KV pools of {', '.join(pools)}" if pools else "")
+        if app_name not in running:
+            raise ClusterError(f"no Serve application named {app_name!r} (running: {', '.join(sorted(running)) or 'none'})")
+        names = [app_name]
+    else:
+        names = sorted(recorded_apps() & running)
+        for stale in recorded_apps() - running:
+            forget_app(stale)
+    lines = []
+    for name in names:
+        serve.delete(name)
+        forget_app(name)
+        lines.append(f"deleted application {name}" + (" and its KV pool" if stop_pool(name) else ""))
+    others = sorted(running - set(names))
+    if not names:
+        lines.append("no application deployed by moe-serve is running")
+    if others and not app_name:
+        lines.append(f"left running (not deployed by moe-serve): {', '.join(others)}")
+    return "\n".join(lines)

@@ -66,6 +66,40 @@ def submit_deploy(dashboard_url: str, manifest_path: Path) -> None:
         raise RuntimeError(f"ray job submit failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}")
 
 
+def deploy_config_file(dashboard_url: str, manifest_path: Path, workdir: Path, timeout_s: float = TEST_DEPLOY_TIMEOUT_S) -> Path:
+    """`moe-serve build MANIFEST` then Ray's own `serve deploy` of the written config, as Ray
+    users deploy; returns once Serve runs the config-deployed application (not a previous
+    version of the same name). Returns the config file's path."""
+    import yaml as _yaml
+
+    config_path = workdir / f"{manifest_path.stem}.serve.yaml"
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    subprocess.run([str(bin_dir / "moe-serve"), "build", str(manifest_path), "-o", str(config_path)],
+                   check=True, cwd=REPO, capture_output=True, text=True, timeout=120)
+    app_name = _yaml.safe_load(config_path.read_text())["applications"][0]["name"]
+    result = subprocess.run([str(bin_dir / "serve"), "deploy", str(config_path), "--address", dashboard_url],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"serve deploy failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    from ray import serve
+
+    from cluster.serve_config import APP_BUILDER_IMPORT_PATH
+    from cluster.serve_control import status_text
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        config = getattr(app, "deployed_app_config", None) if app else None
+        if config is not None and config.import_path == APP_BUILDER_IMPORT_PATH:
+            if str(getattr(app.status, "value", app.status)) == "RUNNING":
+                return config_path
+            if str(getattr(app.status, "value", app.status)) == "DEPLOY_FAILED":
+                raise RuntimeError(f"config deploy of {app_name} failed:\n{status_text()}")
+        time.sleep(2)
+    raise RuntimeError(f"config deploy of {app_name} not RUNNING within {timeout_s:.0f}s:\n{status_text()}")
+
+
 def deploy_test_app(data: dict, label: str, progress=lambda message: None):
     """Deploy `data` (a manifest dict) on the session's cluster, bounded in time. A deploy that
     fails is removed again, so that one broken module does not starve the next ones of the

@@ -2,8 +2,9 @@
 real Prometheus scraping the real engines, and Serve adds and removes real vLLM replicas.
 
 One scenario, in order (the steps build on each other, like the load they model):
-1. the session's application is redeployed from manifests/local-autoscaling.yaml (through
-   `ray job submit`), reading its own Prometheus, which this module can stop;
+1. the session's application is redeployed from manifests/local-autoscaling.yaml as Ray users
+   deploy (`moe-serve build` writes a Serve config file, Ray's `serve deploy` applies it), reading
+   its own Prometheus, which this module can stop; it serves what one plain engine serves;
 2. low load: nothing moves;
 3. a step to high load of long prompts: prefill's queue and TTFT breach, prefill (and only
    prefill) scales out, and Serve starts the second engine;
@@ -30,7 +31,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, TEST_HTTP_PORT, TEST_METRICS_BASE, _log, submit_deploy
+from tests.integration.conftest import REPO, TEST_HTTP_PORT, TEST_METRICS_BASE, _log, deploy_config_file
+from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
 
@@ -163,8 +165,10 @@ def autoscaled(stack, tmp_path_factory):
                                  rules=rules_for_manifest(manifest))
     prometheus.start(progress=_log)
     started = time.monotonic()
-    _log("redeploying with autoscaling through `ray job submit -- moe-serve deploy`")
-    submit_deploy(stack.dashboard_url, manifest_path)  # returns once the application is running
+    # As Ray users deploy: `moe-serve build` writes a Serve config, Ray's `serve deploy` applies it
+    # (Serve's build task runs our application builder); the autoscaler must decide from it.
+    _log("redeploying with autoscaling through `moe-serve build` + `serve deploy`")
+    deploy_config_file(stack.dashboard_url, manifest_path, work)
     deployed_at = time.time()
     _log(f"redeployed in {time.monotonic() - started:.0f}s")
     scaled = Autoscaled(prometheus, work / "decisions.json", manifest.name, manifest.model.name, stack.base_url,
@@ -201,6 +205,22 @@ def _last_drop_to_zero(decisions: list[dict], pool: str) -> dict | None:
     is not the one that scaled it there."""
     return next((d for before, d in reversed(list(zip(decisions, decisions[1:])))
                  if before["targets"][pool] > 0 and d["targets"][pool] == 0), None)
+
+
+def test_the_config_deployed_application_serves_plain_vllm_outputs(autoscaled, reference_outputs):
+    from ray import serve
+
+    app = serve.status().applications[autoscaled.app]
+    assert app.deployed_app_config is not None, "the application was not deployed from a config file"
+    assert app.deployed_app_config.import_path == "deployments.config_app:build_from_args"
+    for name in sorted(COMPLETION_PROMPTS):
+        body = {"model": autoscaled.model, "prompt": COMPLETION_PROMPTS[name], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "return_token_ids": True}
+        response = httpx.post(f"{autoscaled.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["token_ids"] == reference_outputs[name]["token_ids"], name
+        assert choice["text"] == reference_outputs[name]["text"], name
 
 
 def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled):
