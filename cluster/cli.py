@@ -27,6 +27,7 @@ from cluster.fit_check import check_fit
 from cluster.manifest import Manifest, load_manifest
 from cluster.serve_control import DEFAULT_DEPLOY_TIMEOUT_S
 from deployments.frontend.api_keys import ApiKeyConfigError
+from monitoring.extras import MissingExtraError
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "manifests" / "local.yaml"
 
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     except ApiKeyConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except MissingExtraError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

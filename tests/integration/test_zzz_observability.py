@@ -90,6 +90,7 @@ def observed(stack, background_traffic):
 
 
 def test_every_dashboard_and_alert_query_returns_data(stack, observed):
+    from monitoring import dashboard_variables as dv
     from monitoring.alerts import alert_rules
     from monitoring.dashboards import all_dashboards, dashboard_queries
     from monitoring.queries import ALL, AUTOSCALER, KV_POOL_DOWN
@@ -100,11 +101,23 @@ def test_every_dashboard_and_alert_query_returns_data(stack, observed):
     # The pool's health gauge exists only while an application with a KV pool runs (the
     # session's default application has none): test_kv_pool_stack.py checks that query.
     later.add(KV_POOL_DOWN.expr)
+    later |= {dv.filtered(expr) for expr in later}  # as the dashboards hold them
+    # The panels' variables as Grafana substitutes them. `.+` rather than "All" (`.*`): a series
+    # lacking the label a variable filters would then have no data, so this also proves that
+    # every filter names a label its series carries.
+    values = {dv.DATASOURCE: "unused in PromQL"} | {variable.name: ".+" for variable in dv.QUERY_VARIABLES}
     expressions = {query.expr: query.key for query in ALL if query.expr not in later}
     for name, board in all_dashboards().items():
         for title, _unit, expr in dashboard_queries(board):
             if expr not in later:
-                expressions.setdefault(expr, f"{name}: {title}")
+                expressions.setdefault(dv.substitute(expr, values), f"{name}: {title}")
+        # Each of the dashboard's query variables offers values (Grafana's label_values).
+        for variable in board["templating"]["list"]:
+            if variable["type"] == "query":
+                known = next(v for v in dv.QUERY_VARIABLES if v.name == variable["name"])
+                assert variable["query"] == known.query
+                expressions.setdefault(f'count by ({known.label_name}) ({known.values_of}{{{known.label_name}!=""}})',
+                                       f"{name}: variable {known.name}")
     for rule in alert_rules(2.0, 0.2):
         if rule.query.expr not in later:
             expressions.setdefault(rule.query.expr, rule.name)

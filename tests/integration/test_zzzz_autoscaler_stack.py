@@ -4,7 +4,8 @@ real Prometheus scraping the real engines, and Serve adds and removes real vLLM 
 One scenario, in order (the steps build on each other, like the load they model):
 1. the session's application is redeployed from manifests/local-autoscaling.yaml as Ray users
    deploy (`moe-serve build` writes a Serve config file, Ray's `serve deploy` applies it), reading
-   its own Prometheus, which this module can stop; it serves what one plain engine serves;
+   its own Prometheus, which this module can stop; it serves what one plain engine serves; that
+   Prometheus is down when the decision loop starts: the loop holds Serve's sizes until it is up;
 2. low load: nothing moves;
 3. a step to high load of long prompts: prefill's queue and TTFT breach, prefill (and only
    prefill) scales out, and Serve starts the second engine;
@@ -31,7 +32,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, TEST_HTTP_PORT, TEST_METRICS_BASE, _log, deploy_config_file
+from tests import metrics_text
+from tests.integration.conftest import (REPO, TEST_HTTP_PORT, TEST_METRICS_BASE, _log, deploy_config_file,
+                                        deployed_app_config)
 from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -53,6 +56,7 @@ class Autoscaled:
     scale_out_cooldown_s: float
     scale_in_cooldown_s: float
     low_load: "Load | None" = None
+    blind_start: tuple = ()  # (decisions, replica samples) while its Prometheus was down at start
 
     def decisions(self) -> list[dict]:
         try:
@@ -163,11 +167,11 @@ def autoscaled(stack, tmp_path_factory):
     stack.prometheus.stop()
     prometheus = LocalPrometheus(port=AUTOSCALER_PROMETHEUS_PORT, scrape_interval_s=2.0, workdir=work / "prometheus",
                                  rules=rules_for_manifest(manifest))
-    prometheus.start(progress=_log)
     started = time.monotonic()
     # As Ray users deploy: `moe-serve build` writes a Serve config, Ray's `serve deploy` applies it
     # (Serve's build task runs our application builder); the autoscaler must decide from it.
-    _log("redeploying with autoscaling through `moe-serve build` + `serve deploy`")
+    # Its Prometheus is not up yet: a decision loop that starts blind must hold Serve's sizes.
+    _log("redeploying with autoscaling through `moe-serve build` + `serve deploy` (its Prometheus down)")
     deploy_config_file(stack.dashboard_url, manifest_path, work)
     deployed_at = time.time()
     _log(f"redeployed in {time.monotonic() - started:.0f}s")
@@ -177,7 +181,12 @@ def autoscaled(stack, tmp_path_factory):
     # (min_replicas 0) would otherwise count as idle from its first ready decision, and on a
     # loaded box the wait below plus the rate window's lag reached SCALE_TO_ZERO_IDLE_S in CI.
     scaled.low_load = Load(scaled, clients=1, prompt="hello", max_tokens=8, pause_s=1.0).__enter__()
+    with ReplicaSampler(manifest.name) as replicas:
+        scaled.wait_for("three decisions while Prometheus is down", lambda: len(scaled.decisions()) >= 3,
+                        timeout_s=90)
+    scaled.blind_start = (scaled.decisions(), replicas.samples)
     try:
+        prometheus.start(progress=_log)
         # Idle engines export from their first health check, so decisions start without traffic.
         scaled.wait_for("a decision on the new engines' metrics, every replica ready", lambda: any(
             d["at_s"] > deployed_at and not d["held"] and not any("starting" in r for r in d["reasons"].values())
@@ -208,11 +217,9 @@ def _last_drop_to_zero(decisions: list[dict], pool: str) -> dict | None:
 
 
 def test_the_config_deployed_application_serves_plain_vllm_outputs(autoscaled, reference_outputs):
-    from ray import serve
-
-    app = serve.status().applications[autoscaled.app]
-    assert app.deployed_app_config is not None, "the application was not deployed from a config file"
-    assert app.deployed_app_config.import_path == "deployments.config_app:build_from_args"
+    config = deployed_app_config(autoscaled.app)
+    assert config is not None, "the application was not deployed from a config file"
+    assert config["import_path"] == "deployments.config_app:build_from_args"
     for name in sorted(COMPLETION_PROMPTS):
         body = {"model": autoscaled.model, "prompt": COMPLETION_PROMPTS[name], "max_tokens": MAX_TOKENS,
                 "temperature": 0, "return_token_ids": True}
@@ -221,6 +228,16 @@ def test_the_config_deployed_application_serves_plain_vllm_outputs(autoscaled, r
         choice = response.json()["choices"][0]
         assert choice["token_ids"] == reference_outputs[name]["token_ids"], name
         assert choice["text"] == reference_outputs[name]["text"], name
+
+
+def test_a_loop_that_starts_with_prometheus_down_holds_serves_sizes(autoscaled):
+    decisions, samples = autoscaled.blind_start
+    assert decisions and samples
+    for decision in decisions:
+        assert decision["held"], decision
+        # Serve's sizes (one engine each), not the bounds' minimum (prefill may go to zero).
+        assert decision["targets"] == {"prefill": 1, "decode": 1}, decision
+    assert all(sample == {**sample, "prefill": 1, "decode": 1} for _t, sample in samples), samples
 
 
 def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled):
@@ -268,11 +285,8 @@ def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled
 
 
 def _head_metric(name: str, **labels: str) -> float | None:
-    text = httpx.get(HEAD_METRICS_URL, timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    found = metrics_text.samples(httpx.get(HEAD_METRICS_URL, timeout=10).text, name, **labels)
+    return found[0].value if found else None
 
 
 def test_stopping_prometheus_makes_the_autoscaler_hold_and_say_so(autoscaled):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster.manifest import load_manifest
-from monitoring import alerts, dashboards, prometheus_config, queries
+from monitoring import alerts, dashboard_variables, dashboards, prometheus_config, queries
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "monitoring"
@@ -44,33 +44,43 @@ def test_alert_rules_cover_the_required_conditions():
     assert ttft.expr.endswith("> 1.5") and "time_to_first_token_seconds_bucket" in ttft.expr
 
 
-def test_committed_dashboards_are_generated_from_code():
-    generated = dashboards.all_dashboards(LOCAL.slo.ttft_ms / 1e3, LOCAL.slo.itl_ms / 1e3)
-    committed = {p.name: json.loads(p.read_text()) for p in (MONITORING / "grafana" / "dashboards").glob("*.json")}
-    assert committed == generated
+@pytest.mark.parametrize("folder", ["dashboards", "provisioning/dashboards/moe-serve"])
+def test_committed_dashboards_are_generated_from_code(folder):
+    """Byte for byte what `python -m monitoring.dashboards` writes, and nothing else in the folder."""
+    shared = dashboards.all_dashboards(LOCAL.slo.ttft_ms / 1e3, LOCAL.slo.itl_ms / 1e3)
+    generated = shared if folder == "dashboards" else {
+        name: dashboards.provisioned(board) for name, board in shared.items()}
+    committed = {p.name: p.read_text() for p in (MONITORING / "grafana" / folder).glob("*.json")}
+    assert committed == {name: dashboards.render(board) for name, board in generated.items()}
 
 
 @pytest.mark.parametrize("name", sorted(dashboards.all_dashboards()))
-def test_every_panel_has_a_datasource_a_query_and_a_unit(name):
+def test_every_panel_has_the_datasource_variable_a_query_and_a_unit(name):
     board = dashboards.all_dashboards()[name]
     assert board["uid"].startswith("moe-serve-") and board["title"].startswith("moe-serve / ")
-    known = {q.expr for q in queries.ALL}
+    known = {dashboard_variables.filtered(q.expr) for q in queries.ALL}
     panels = [p for p in board["panels"] if p["type"] != "row"]
     assert panels
     for panel in panels:
-        assert panel["datasource"] == {"type": "prometheus", "uid": "moe-serve-prometheus"}, panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["fieldConfig"]["defaults"]["unit"], panel["title"]
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["expr"] in known, (panel["title"], target["expr"])
-            assert target["datasource"]["uid"] == "moe-serve-prometheus"
+            assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
 
 
 def test_grafana_provisioning_points_at_the_datasource_the_panels_use():
     datasources = yaml.safe_load((MONITORING / "grafana" / "provisioning" / "datasources" / "moe-serve.yaml").read_text())
-    assert [d["uid"] for d in datasources["datasources"]] == ["moe-serve-prometheus"]
+    assert [d["uid"] for d in datasources["datasources"]] == [dashboards.PROVISIONED_DATASOURCE["value"]]
     providers = yaml.safe_load((MONITORING / "grafana" / "provisioning" / "dashboards" / "moe-serve.yaml").read_text())
     assert providers["providers"][0]["type"] == "file"
+    # The provisioned copies default their datasource variable to that uid (no `__inputs` to resolve).
+    for path in (MONITORING / "grafana" / "provisioning" / "dashboards" / "moe-serve").glob("*.json"):
+        board = json.loads(path.read_text())
+        assert "__inputs" not in board and "${DS_" not in path.read_text(), path.name
+        variable = next(v for v in board["templating"]["list"] if v["type"] == "datasource")
+        assert variable["current"]["value"] == datasources["datasources"][0]["uid"], path.name
 
 
 def test_queries_name_only_catalogued_or_known_external_metrics():
