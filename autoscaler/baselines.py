@@ -24,9 +24,11 @@ class FixedSplit:
     def __init__(self) -> None:
         self._last_known: dict[str, int] = {}
 
-    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float) -> ScalingDecisions:
-        if not observations:
-            return hold_all(dict(self._last_known), now_s, "no observations: metrics source unreachable")
+    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float,
+               serve_sizes: Mapping[str, int] | None = None) -> ScalingDecisions:
+        if not observations:  # blind: hold; a pool never observed holds at Serve's size
+            return hold_all({**(serve_sizes or {}), **self._last_known}, now_s,
+                            "no observations: metrics source unreachable")
         self._last_known = {obs.pool: obs.replicas for obs in observations}
         return ScalingDecisions(tuple(Decision(obs.pool, obs.replicas, obs.replicas, "fixed split: never scales")
                                       for obs in observations), now_s)
@@ -53,9 +55,11 @@ class QueueLengthPerPool:
         self._pending = {name: _Pending() for name in self.limits}
         self._last_known: dict[str, int] = {}
 
-    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float) -> ScalingDecisions:
-        if not observations:
-            return hold_all(dict(self._last_known), now_s, "no observations: metrics source unreachable")
+    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float,
+               serve_sizes: Mapping[str, int] | None = None) -> ScalingDecisions:
+        if not observations:  # blind: hold; a pool never observed holds at Serve's size
+            return hold_all({**(serve_sizes or {}), **self._last_known}, now_s,
+                            "no observations: metrics source unreachable")
         decisions = []
         for obs in observations:
             limits = self.limits[obs.pool]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Literal, Mapping, Protocol, Sequence
 
 from autoscaler.errors import AutoscalerConfigError
 
@@ -176,9 +176,12 @@ class ScalingDecisions:
 
 
 class ScalingPolicy(Protocol):
-    """What the simulator and replay drive: `observations=None` means metrics are unreachable."""
+    """What the simulator and replay drive: `observations=None` means metrics are unreachable;
+    `serve_sizes` (each pool's replica target as Serve reports it) is where a pool the policy has
+    not sized yet is held."""
 
-    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float) -> ScalingDecisions: ...
+    def decide(self, observations: Sequence[PoolObservation] | None, now_s: float,
+               serve_sizes: Mapping[str, int] | None = None) -> ScalingDecisions: ...
 
 
 def hold_all(current: dict[str, int], now_s: float, reason: str) -> ScalingDecisions:

@@ -6,8 +6,10 @@ Event log: one {"at_s", "event": "hold", "reason"} per held decision, and one
 
 A recorded case is JSON (a live autoscaler writes one when the manifest sets
 autoscaling.record_path): {"config": ControllerConfig fields (budget_units null: none), "limits": [PoolLimits fields],
-"steps": [{"at_s": float, "observations": [PoolObservation fields] | null}]}, null meaning the
-metrics source was unreachable at that step. Print a case's event log (to review, then store
+"steps": [{"at_s": float, "observations": [PoolObservation fields] | null, "serve_sizes": {pool: int}}]},
+null observations meaning the metrics source was unreachable at that step. `serve_sizes` (optional)
+is each pool's replica target as Serve reported it at that step: a controller that has not
+decided a pool yet holds it there, so a replay without them starts from the pools' minimums. Print a case's event log (to review, then store
 as the expected one):
 
     .venv/bin/python -m autoscaler.replay tests/unit/data/autoscaler_replay.json
@@ -19,16 +21,25 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from autoscaler.observations import ControllerConfig, PoolLimits, PoolObservation, ScalingPolicy
 
-Recorded = list[tuple[float, list[PoolObservation] | None]]
+
+
+class RecordedStep(NamedTuple):
+    at_s: float
+    observations: list[PoolObservation] | None
+    serve_sizes: dict[str, int] | None = None
+
+
+Recorded = list[RecordedStep]
 
 
 def replay(controller: ScalingPolicy, recorded: Recorded) -> list[dict]:
     events: list[dict] = []
-    for at_s, observations in recorded:
-        decisions = controller.decide(observations, at_s)
+    for at_s, observations, serve_sizes in recorded:
+        decisions = controller.decide(observations, at_s, serve_sizes=serve_sizes)
         if decisions.held:
             events.append({"at_s": at_s, "event": "hold", "reason": decisions.hold_reason})
             continue
@@ -36,6 +47,12 @@ def replay(controller: ScalingPolicy, recorded: Recorded) -> list[dict]:
             events.append({"at_s": at_s, "event": "scale", "pool": decision.pool, "from": decision.current,
                            "to": decision.target, "reason": decision.reason})
     return events
+
+
+def replay_targets(controller: ScalingPolicy, recorded: Recorded) -> list[dict[str, int]]:
+    """Every pool's target at every step: compared with a live recording's "decisions"."""
+    return [controller.decide(step.observations, step.at_s, serve_sizes=step.serve_sizes).targets()
+            for step in recorded]
 
 
 def load_case(path: Path) -> tuple[ControllerConfig, list[PoolLimits], Recorded]:
@@ -49,8 +66,10 @@ def load_case(path: Path) -> tuple[ControllerConfig, list[PoolLimits], Recorded]
     recorded: Recorded = []
     for step in data["steps"]:
         observations = step["observations"]
-        recorded.append((float(step["at_s"]),
-                         None if observations is None else [PoolObservation(**obs) for obs in observations]))
+        recorded.append(RecordedStep(
+            float(step["at_s"]),
+            None if observations is None else [PoolObservation(**obs) for obs in observations],
+            step.get("serve_sizes")))
     return ControllerConfig(**config), limits, recorded
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from autoscaler.controller import CoordinatedController
 from autoscaler.observations import PoolObservation, ScalingDecisions
@@ -33,6 +33,14 @@ from autoscaler.settings import AutoscalerSettings
 logger = logging.getLogger("ray.serve.moe_serve_autoscaler")
 
 HISTORY = 2000  # decision rounds kept in memory and in the recording
+
+
+class Round(NamedTuple):
+    """One decision round: what the policy was given (observations, Serve's sizes) and decided."""
+    at_s: float
+    observations: list[PoolObservation] | None
+    serve_sizes: dict[str, int]
+    decisions: ScalingDecisions
 
 _LOOPS: dict[str, "DecisionLoop"] = {}
 _LOOPS_LOCK = threading.Lock()
@@ -83,8 +91,7 @@ class DecisionLoop:
         self._lock = threading.Lock()
         self._reports: dict[str, ReplicaReport] = {}
         self._targets: dict[str, int] = {}
-        self.history: collections.deque[tuple[float, list[PoolObservation] | None, ScalingDecisions]] = \
-            collections.deque(maxlen=HISTORY)
+        self.history: collections.deque[Round] = collections.deque(maxlen=HISTORY)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hold_logged: tuple[str | None, float] = (None, 0.0)  # (kind, when) of the last HOLD line
@@ -110,7 +117,7 @@ class DecisionLoop:
         decisions = self.controller.decide(observations, now, serve_sizes=replicas)
         with self._lock:
             self._targets.update(decisions.targets())
-        self.history.append((now, observations, decisions))
+        self.history.append(Round(now, observations, replicas, decisions))
         self._publish(observations, decisions)
         return decisions
 
@@ -169,9 +176,9 @@ class DecisionLoop:
         """History as a replay case (autoscaler/replay.py) plus the decisions actually taken."""
         config = self.settings.to_json()["controller"]
         steps, decided = [], []
-        for at_s, observations, decisions in list(self.history):
+        for at_s, observations, serve_sizes, decisions in list(self.history):
             steps.append({"at_s": at_s, "observations": None if observations is None else
-                          [dataclasses.asdict(obs) for obs in observations]})
+                          [dataclasses.asdict(obs) for obs in observations], "serve_sizes": serve_sizes})
             decided.append({"at_s": at_s, "held": decisions.held, "targets": decisions.targets(),
                             "reasons": {d.pool: d.reason for d in decisions.decisions}})
         return {"about": f"recorded live by the autoscaler of application {self.settings.app}",

@@ -16,7 +16,7 @@ import yaml
 from autoscaler import serve_loop
 from autoscaler.controller import CoordinatedController
 from autoscaler.observations import PoolObservation
-from autoscaler.replay import load_case, replay
+from autoscaler.replay import load_case, replay, replay_targets
 from autoscaler.serve_loop import AutoscalerMetrics, DecisionLoop
 from autoscaler.serve_policy import CoordinatedPoolPolicy
 from autoscaler.settings import AutoscalerSettings, settings_from_manifest
@@ -165,9 +165,28 @@ def test_the_recording_replays_to_the_decisions_the_live_loop_took(tmp_path):
     config, limits, steps = load_case(tmp_path / "rec.json")
     live = [d["targets"] for d in recorded["decisions"]]
     assert {"prefill": 2, "decode": 1} in live and live[-1] == {"prefill": 1, "decode": 1}  # out, then in
-    fresh = CoordinatedController(config, limits)
-    assert [fresh.decide(obs, at).targets() for at, obs in steps] == live
+    assert replay_targets(CoordinatedController(config, limits), steps) == live
     assert any(e["event"] == "hold" for e in replay(CoordinatedController(config, limits), steps))
+
+
+def test_a_recording_that_starts_blind_replays_with_serves_sizes(tmp_path):
+    """The loop's first steps with its Prometheus down hold every pool at Serve's size (2 here,
+    above the minimum of 1); the recording keeps those sizes so a replay holds them too."""
+    loop, source, _exporter, clock = make_loop(tmp_path)
+    for pool in ("prefill", "decode"):
+        loop.report(pool, 2, 2)
+    for step in range(6):
+        source.reachable = step >= 3
+        decisions = loop.step()
+        for pool, target in decisions.targets().items():
+            loop.report(pool, target, target)
+        clock.now += 3
+    recorded = json.loads((tmp_path / "rec.json").read_text())
+    live = [d["targets"] for d in recorded["decisions"]]
+    assert live[:3] == [{"prefill": 2, "decode": 2}] * 3  # held where Serve had them, not at min
+    config, limits, steps = load_case(tmp_path / "rec.json")
+    assert steps[0].observations is None and steps[0].serve_sizes == {"prefill": 2, "decode": 2}
+    assert replay_targets(CoordinatedController(config, limits), steps) == live
 
 
 def test_the_thread_decides_periodically_and_ends_when_serve_stops_asking():
@@ -201,7 +220,7 @@ def test_serve_policies_of_one_application_share_one_loop_and_a_redeploy_replace
         deadline = time.monotonic() + 10
         while not loop.history and time.monotonic() < deadline:
             time.sleep(0.1)
-        _at, observations, decisions = loop.history[-1]
+        observations, decisions = loop.history[-1].observations, loop.history[-1].decisions
         assert observations is None and decisions.held and decisions.targets() == {"prefill": 1, "decode": 1}
 
         changed = dict(kwargs, settings=settings_from_manifest(
