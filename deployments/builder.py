@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.manifest import Accelerator, Manifest, PoolRole, PoolSpec
+from cluster.manifest_timeouts import effective_timeouts
 from cluster.plan import INGRESS_NUM_CPUS
 from deployments.expert_group import ExpertParallelGroup
 from deployments.llm_server import LLMServer
@@ -140,7 +141,8 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
             graceful_shutdown_timeout_s=5,
             **expert_group_options(manifest, pool),
         ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool.expert_parallel.model_dump(),
-               rank_options, manifest.accelerator.value, pool.name, metrics=manifest.observability.metrics)
+               rank_options, manifest.accelerator.value, pool.name, metrics=manifest.observability.metrics,
+               request_timeouts=effective_timeouts(manifest))
     return serve.deployment(LLMServer).options(
         name=pool.name,
         **replica_count_options(manifest, pool),
@@ -152,7 +154,8 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
     ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool=pool.name,
-           metrics=manifest.observability.metrics, kv_events=follows_kv_events(pool))
+           metrics=manifest.observability.metrics, kv_events=follows_kv_events(pool),
+           request_timeouts=effective_timeouts(manifest))
 
 
 def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict[str, Any]:
@@ -234,4 +237,5 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
            allow_fault_injection=manifest.kv_transfer.allow_fault_injection, slo=manifest.slo.model_dump(),
            metrics=manifest.observability.metrics, admission=admission_limits,
            priority_header=admission.priority_header,
-           local_prefill_below_tokens=manifest.kv_transfer.local_prefill_below_tokens)
+           local_prefill_below_tokens=manifest.kv_transfer.local_prefill_below_tokens,
+           request_timeouts=effective_timeouts(manifest))

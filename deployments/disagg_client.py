@@ -11,6 +11,11 @@ is *not* cancelled: cancelling a Serve call is best effort, and a prefill that c
 its result is being dropped leaves a lease nobody knows about (seen in CI). Instead the prefill
 finishes in the background (at most one prompt's worth of wasted work) and its lease is released
 at once. The lease deadline remains the backstop if even the release fails.
+
+The wait for the prefill is bounded (manifest request_timeouts.prefill_timeout_s). Past it the
+request ends with a WaitExpired value and the prefill is treated like one whose caller left
+(its lease, if it ever gets one, is released); the prefill replica aborts the prompt in its
+engine at its own bound (LLMServer.prefill).
 """
 
 from __future__ import annotations
@@ -23,20 +28,22 @@ from typing import Any
 
 from deployments.engine_client import HandleEngineClient
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, TokenDelta
+from deployments.stream_deadlines import result_within, wait_expired
 
 logger = logging.getLogger(__name__)
 
 
 class DisaggregatedEngineClient:
     def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False,
-                 local_prefill_below_tokens: int = 0, on_decision: Any = None):
+                 local_prefill_below_tokens: int = 0, on_decision: Any = None, prefill_timeout_s: float = 120.0):
         """`on_decision(reason)`: told for each request whether its prefill ran remotely ("remote")
-        or on decode ("local_short_prompt")."""
+        or on decode ("local_short_prompt"); `prefill_timeout_s`: the bound on the prefill's result."""
         self._prefill = prefill_handle
         self._decode = HandleEngineClient(decode_handle)
         self._allow_fault_injection = allow_fault_injection
         self._local_below = local_prefill_below_tokens
         self._on_decision = on_decision or (lambda reason: None)
+        self._prefill_timeout_s = prefill_timeout_s
 
     async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False,
                      trace: Any = None) -> AsyncIterator[TokenDelta | EngineFailure]:
@@ -49,7 +56,11 @@ class DisaggregatedEngineClient:
         self._on_decision("remote")
         prefill_task = asyncio.ensure_future(self._prefill.prefill.remote(request))
         try:
-            prefill = await asyncio.shield(prefill_task)
+            if not await result_within(prefill_task, self._prefill_timeout_s):
+                prefill_task.add_done_callback(self._release_when_done)
+                yield wait_expired("prefill", self._prefill_timeout_s)
+                return
+            prefill = prefill_task.result()
         except asyncio.CancelledError:
             prefill_task.add_done_callback(self._release_when_done)
             raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deployments.records import EngineFailure, WaitExpired
+
 
 @dataclass
 class APIError(Exception):
@@ -43,3 +45,27 @@ def server_error(message: str, *, retriable: bool = False) -> APIError:
 def too_many_requests(message: str, retry_after_s: int) -> APIError:
     return APIError(429, message, type="rate_limit_error", code="overloaded",
                     headers={"Retry-After": str(retry_after_s)})
+
+
+@dataclass
+class GatewayTimeout(APIError):
+    """504: a bounded wait of the request path expired (`wait` names which)."""
+
+    wait: str = ""
+
+
+def engine_error(failure: EngineFailure) -> APIError:
+    """What the client gets for an engine failure: 504 for an expired wait, else 503 or 500."""
+    if isinstance(failure, WaitExpired):
+        return GatewayTimeout(504, failure.message, type="timeout_error", code=f"{failure.wait}_timeout",
+                              wait=failure.wait)
+    return server_error(failure.message, retriable=failure.retriable)
+
+
+def outcome_of(error: APIError) -> str:
+    """The request's outcome label (monitoring.metrics.REQUESTS) for an error answer."""
+    if error.status == 429:
+        return "rejected"
+    if isinstance(error, GatewayTimeout):
+        return "timeout"
+    return "client_error" if error.status < 500 else "server_error"

@@ -11,6 +11,12 @@ collective over all of them). When any rank dies, the group is broken: every in-
 fails at once with a retriable error (surviving ranks would otherwise wait inside a collective
 for a peer that is gone), new requests are refused, and check_health fails so Serve replaces
 the whole replica; its rank actors die with it (Ray kills actors whose owner is gone).
+
+A rank that is alive but hung (stuck in a collective, an engine that stopped stepping) breaks
+nothing the watchdog can see, so the relay bounds its own waits with the manifest's
+request_timeouts: past the first-token or inter-token bound the request fails (a WaitExpired
+value) and is aborted on its rank, whether or not the caller's cancellation ever arrives.
+`rank_failure_timeout_s` only bounds how long a cancelled request waits for its rank to let go.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
-from deployments.llm_server import LLMServer, _node_ip
+from deployments.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta
+from deployments.stream_deadlines import RequestTimeouts, StreamDeadlines, result_within, wait_expired
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +48,12 @@ class ExpertParallelGroup:
                  expert_parallel: dict, rank_options: dict, accelerator: str,
                  pool_name: str = "engine", remote_rank_factory: Callable[..., Any] | None = None,
                  local_server_factory: Callable[..., Any] = LLMServer, metrics: bool = True,
-                 metrics_backend: Any = None, cancel_remote: Callable[[Any], None] | None = None):
+                 metrics_backend: Any = None, cancel_remote: Callable[[Any], None] | None = None,
+                 request_timeouts: dict | None = None):
         from monitoring.exporter import MetricsExporter
 
         self._exporter = MetricsExporter(metrics, metrics_backend)
+        self._timeouts = RequestTimeouts.of(request_timeouts)
         self._size = int(expert_parallel["size"])
         self._failure_timeout_s = float(expert_parallel.get("rank_failure_timeout_s", 5.0))
         self._pool = pool_name
@@ -60,10 +69,10 @@ class ExpertParallelGroup:
         factory = remote_rank_factory or _ray_rank_factory(rank_options)
         # Ranks 1..N-1 start first: rank 0's engine waits in its constructor until every rank
         # has joined the handshake it hosts (vLLM allows 5 minutes).
-        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, metrics=metrics)
-                        for rank in range(1, self._size)]
+        self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, metrics=metrics,
+                                request_timeouts=request_timeouts) for rank in range(1, self._size)]
         self._local = local_server_factory(model, spec(0), model_path, kv_transfer, pool=pool_name, rank=0,
-                                           metrics=metrics)
+                                           metrics=metrics, request_timeouts=request_timeouts)
         self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor, cancel_remote or _ray_cancel)
                                                    for actor in self._remote]
         self._in_flight = [0] * self._size
@@ -87,10 +96,15 @@ class ExpertParallelGroup:
         stream = self._ranks[rank].generate(request).__aiter__()
         broken = asyncio.ensure_future(self._broken_event.wait())
         step: asyncio.Future | None = None
+        deadlines = StreamDeadlines(self._timeouts, time.monotonic())
         try:
             while True:
                 step = asyncio.ensure_future(stream.__anext__())
-                done, _ = await asyncio.wait({step, broken}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({step, broken}, timeout=max(deadlines.next()[0] - time.monotonic(), 0.0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # the rank is alive but silent past a bound: give up (the finally aborts it)
+                    yield deadlines.expired()
+                    return
                 if step not in done:  # a rank died: this rank may be stuck in a collective
                     yield self._failure()
                     return
@@ -102,6 +116,7 @@ class ExpertParallelGroup:
                     self._mark_broken(f"rank {rank} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     yield self._failure()
                     return
+                deadlines.seen(item, time.monotonic())
                 yield item
         finally:
             broken.cancel()
@@ -117,13 +132,28 @@ class ExpertParallelGroup:
         if self._broken:
             return self._failure()
         rank = self._route()
+        call = asyncio.ensure_future(self._ranks[rank].prefill(request))
+        call.add_done_callback(lambda _: self._finished_on(rank))
+        # The rank bounds the prefill itself (and aborts it); this bound is for a rank that hangs.
+        limit_s = self._timeouts.prefill_timeout_s + 2 * ABORT_GRACE_S + self._failure_timeout_s
         try:
-            return await self._ranks[rank].prefill(request)
+            if not await result_within(call, limit_s):
+                call.add_done_callback(self._release_when_done)  # a lease it ends up with is freed
+                return wait_expired("prefill", self._timeouts.prefill_timeout_s)
+            return call.result()
+        except asyncio.CancelledError:
+            call.add_done_callback(self._release_when_done)
+            raise
         except Exception as exc:
             self._mark_broken(f"rank {rank} failed: {type(exc).__name__}: {str(exc)[:200]}")
             return self._failure()
-        finally:
-            self._in_flight[rank] -= 1
+
+    def _finished_on(self, rank: int) -> None:
+        self._in_flight[rank] -= 1
+
+    def _release_when_done(self, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None and isinstance(call.result(), PrefillResult):
+            asyncio.ensure_future(self.release(dict(call.result().transfer_params)))
 
     async def release(self, transfer_params: dict) -> None:
         # Any rank's transfer client can release a lease on any prefill engine.

@@ -14,15 +14,20 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
 from deployments.stream_coalescer import coalesce
+from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
 
 logger = logging.getLogger(__name__)
 
 # Most recent prefix-cache blocks a replica reports to routers (8 bytes each, every stats period).
 ROUTING_REPORT_BLOCKS = 16_384
+# After aborting a prefill past its bound: how long the engine gets to end the request's stream
+# (with its abort, or with the lease of a prompt that finished first) before it is given up.
+ABORT_GRACE_S = 5.0
 
 
 class LLMServer:
@@ -32,9 +37,11 @@ class LLMServer:
 
     def __init__(self, model: dict, engine: dict, model_path: str, kv_transfer: dict | None = None,
                  engine_factory: Callable[..., Any] | None = None, pool: str = "engine", rank: int = 0,
-                 metrics: bool = True, metrics_backend: Any = None, kv_events: bool = False):
+                 metrics: bool = True, metrics_backend: Any = None, kv_events: bool = False,
+                 request_timeouts: dict | None = None):
         """`pool`, `rank`: metric labels; `metrics`: export Prometheus metrics (ours and vLLM's);
-        `kv_events`: follow the engine's KV cache events and report its prefix cache to routers."""
+        `kv_events`: follow the engine's KV cache events and report its prefix cache to routers;
+        `request_timeouts`: the manifest's effective bounds (this server enforces the prefill's)."""
         from monitoring.engine_metrics import EngineServerMetrics
         from monitoring.exporter import MetricsExporter
 
@@ -62,11 +69,16 @@ class LLMServer:
             self._engine = engine_factory(model, engine, model_path, kv_connector=self._kv, **factory_options)
         else:
             self._engine = engine_factory(model, engine, model_path, **factory_options)
+        self._timeouts = RequestTimeouts.of(request_timeouts)
         self._in_flight: set[str] = set()
         self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
         """Stream deltas; if the caller goes away (cancel/close) the engine request is aborted."""
+        if request.kv_transfer_params:  # decode: the prefill's lease time, as a deadline on this node's clock
+            from kv_transfer.params import received
+
+            request = replace(request, kv_transfer_params=received(request.kv_transfer_params, time.monotonic()))
         self._ensure_exporting()
         self._stats.started_total += 1
         self._in_flight.add(request.request_id)
@@ -102,7 +114,7 @@ class LLMServer:
         Not abortable on purpose: when a client leaves, Serve cancels this call too, possibly
         just after the engine granted the lease but before the result got back, and nobody
         would know the lease. A cancelled prefill therefore runs to its end (one prompt's
-        work) and releases what it got.
+        work, bounded by request_timeouts.prefill_timeout_s) and releases what it got.
         """
         work = asyncio.ensure_future(self._prefill(request))
         try:
@@ -120,22 +132,53 @@ class LLMServer:
             asyncio.ensure_future(self.release(dict(result.transfer_params)))
 
     async def _prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
-        from kv_transfer.params import is_transfer, prefill_request_params
+        """Bounded by prefill_timeout_s from receipt. Past it the request is aborted in the
+        engine but its stream is still read (for ABORT_GRACE_S): it ends with the abort, or with
+        the lease of a prompt that finished first, which is then returned rather than lost."""
+        from kv_transfer.params import handed_over, is_transfer, prefill_request_params
 
         started = time.monotonic()
         prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
                                         SamplingSpec(max_tokens=1, temperature=0.0), prefill_request_params())
         final = None
         cached_tokens = 0
-        async for item in self.generate(prefill_request):
-            if isinstance(item, EngineFailure):
-                return item
-            final = item
-            cached_tokens = item.cached_tokens if item.cached_tokens is not None else cached_tokens
+        limit_s = self._timeouts.prefill_timeout_s
+        deadline_s, aborted = started + limit_s, False
+        stream = self.generate(prefill_request)
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                if step is None:
+                    step = asyncio.ensure_future(anext(stream))
+                if not await result_within(step, deadline_s - time.monotonic()):
+                    if aborted:  # the engine did not even end the aborted request: give up on it
+                        return wait_expired("prefill", limit_s)
+                    aborted = True
+                    logger.warning("prefill %s exceeded %gs: aborting it", request.request_id, limit_s)
+                    await result_within(asyncio.ensure_future(self._engine.abort(request.request_id)), ABORT_GRACE_S)
+                    deadline_s = time.monotonic() + ABORT_GRACE_S
+                    continue
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    break
+                step = None
+                if isinstance(item, EngineFailure):
+                    return item
+                final = item
+                cached_tokens = item.cached_tokens if item.cached_tokens is not None else cached_tokens
+        finally:
+            if step is not None and not step.done():
+                step.cancel()  # generate's own clean-up aborts the request (once more)
+            else:
+                await stream.aclose()
         if final is None or not is_transfer(final.kv_transfer_params):
+            if aborted:
+                return wait_expired("prefill", limit_s)
             return EngineFailure("prefill finished without KV transfer parameters", retriable=True)
-        return PrefillResult(final.kv_transfer_params, final.prompt_tokens, time.monotonic() - started,
-                             final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens)
+        # Decode goes by the lease time left as the params leave this node, read on the clock that set it.
+        return PrefillResult(handed_over(final.kv_transfer_params, time.time()), final.prompt_tokens,
+                             time.monotonic() - started, final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens)
 
     async def release(self, transfer_params: dict) -> None:
         """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""

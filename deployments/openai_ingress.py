@@ -19,13 +19,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from deployments.errors import APIError, bad_request, not_found, server_error, too_many_requests, unauthorized
+from deployments.errors import (APIError, bad_request, engine_error, not_found, outcome_of, server_error,
+                               too_many_requests, unauthorized)
 from deployments.frontend import info_routes as info
 from deployments.frontend import responses
 from deployments.frontend.render import ChoiceOutput
 from deployments.frontend.responses import ResponseContext
 from deployments.records import EngineFailure, EngineRequest
 from deployments.routing.admission import AdmissionGate, AdmissionLimits
+from deployments.stream_deadlines import RequestTimeouts, bounded
+from deployments.stream_merge import merged as _merged
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +46,25 @@ class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
                  prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
                  metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority",
-                 local_prefill_below_tokens: int = 0, front: Any = None):
+                 local_prefill_below_tokens: int = 0, front: Any = None, request_timeouts: dict | None = None):
         """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
         metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter;
         admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything;
-        front: vLLM's render/derender front end (built from the checkpoint when None)."""
+        front: vLLM's render/derender front end (built from the checkpoint when None);
+        request_timeouts: the manifest's effective bounds on each wait (None: the CPU defaults)."""
         from deployments.engine_client import as_engine_client
         from deployments.tokenizer import PromptTokenizer
         from monitoring.exporter import MetricsExporter
         from monitoring.request_metrics import RequestMetrics
 
+        self._timeouts = RequestTimeouts.of(request_timeouts)
         if prefill is not None:
             from deployments.disagg_client import DisaggregatedEngineClient
 
             self._engine = DisaggregatedEngineClient(
                 prefill, engine, allow_fault_injection=allow_fault_injection,
-                local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision)
+                local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision,
+                prefill_timeout_s=self._timeouts.prefill_timeout_s)
         else:
             self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]
@@ -114,8 +120,7 @@ class OpenAIIngress:
             return await (handler(request) if trace is None else handler(request, trace))
         except APIError as exc:
             if trace is not None:
-                outcome = "rejected" if exc.status == 429 else "client_error" if exc.status < 500 else "server_error"
-                self._metrics.failed(trace, outcome)
+                self._metrics.failed(trace, outcome_of(exc), getattr(exc, "wait", None))
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         except asyncio.CancelledError:
             if trace is not None:
@@ -216,15 +221,16 @@ class OpenAIIngress:
         for child in rendered.children:
             request_id = f"{rendered.request_id}-{child.index}" if many else rendered.request_id
             engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id)
-            streams.append(self._engine.stream(engine_request, trace=trace, **options))
+            # Every wait on the engine is bounded: past one, the stream is aborted and ends in WaitExpired.
+            streams.append(bounded(self._engine.stream(engine_request, trace=trace, **options), self._timeouts))
         if self._gate is not None:  # one admission slot per OpenAI request, however many sequences
             streams[0] = self._released_when_done(streams[0])
         if rendered.stream:
             merged = _merged(rendered.children, streams)
-            first = await _first_item(merged)
-            if first is not None and isinstance(first[1], EngineFailure):
+            first = await anext(merged, None)
+            if first is not None and isinstance(first[1], EngineFailure):  # nothing sent yet: an HTTP status
                 await merged.aclose()
-                raise server_error(first[1].message, retriable=first[1].retriable)
+                raise engine_error(first[1])
             return StreamingResponse(self._sse(ctx, first, merged, trace), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rendered.request_id})
         return await self._collect(ctx, streams, trace)
@@ -265,7 +271,7 @@ class OpenAIIngress:
             try:
                 async for item in stream:
                     if isinstance(item, EngineFailure):
-                        raise server_error(item.message, retriable=item.retriable)
+                        raise engine_error(item)
                     trace.on_delta(item)
                     ctx.note_cached(child.prompt_index, item)
                     output.add(item)
@@ -290,14 +296,15 @@ class OpenAIIngress:
                    trace: Any) -> AsyncIterator[bytes]:
         rendered = ctx.rendered
         choice_streams = {c.index: self._front.stream_state(rendered, c) for c in rendered.children}
-        outcome = "cancelled"  # unless the loop below ends otherwise
+        outcome, wait = "cancelled", None  # unless the loop below ends otherwise
         try:
             item = first
             while item is not None:
                 child, delta = item
-                if isinstance(delta, EngineFailure):
-                    outcome = "server_error"
-                    yield responses.sse(server_error(delta.message, retriable=delta.retriable).body())
+                if isinstance(delta, EngineFailure):  # headers are sent: an error event, then [DONE]
+                    error = engine_error(delta)
+                    outcome, wait = outcome_of(error), getattr(error, "wait", None)
+                    yield responses.sse(error.body())
                     break
                 trace.on_delta(delta)
                 ctx.note_cached(child.prompt_index, delta)
@@ -321,7 +328,7 @@ class OpenAIIngress:
             if outcome == "ok":
                 self._metrics.succeeded(trace)
             else:
-                self._metrics.failed(trace, outcome)
+                self._metrics.failed(trace, outcome, wait)
 
 
 def _api_key_check(auth: dict):
@@ -351,44 +358,3 @@ def _has_lone_surrogate(body: object) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-async def _first_item(stream: AsyncIterator) -> Any:
-    return await anext(stream, None)
-
-
-async def _merged(children: list, streams: list[AsyncIterator]) -> AsyncIterator[tuple]:
-    """(child, item) from every child's stream as items arrive; closing it closes them all."""
-    if len(streams) == 1:  # the common case (n == 1, one prompt): no tasks, no queue
-        try:
-            async for item in streams[0]:
-                yield children[0], item
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    finished = object()
-
-    async def pump(child: Any, stream: AsyncIterator) -> None:
-        try:
-            async for item in stream:
-                await queue.put((child, item))
-        except Exception as exc:  # one sequence failing ends the response with an error event
-            await queue.put((child, EngineFailure(f"{type(exc).__name__}: {exc}")))
-        finally:
-            await stream.aclose()
-            queue.put_nowait(finished)
-
-    tasks = [asyncio.ensure_future(pump(c, s)) for c, s in zip(children, streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            got = await queue.get()
-            if got is finished:
-                remaining -= 1
-            else:
-                yield got
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

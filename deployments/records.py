@@ -95,6 +95,15 @@ class EngineFailure:
     retriable: bool = False
 
 
+@dataclass(frozen=True)
+class WaitExpired(EngineFailure):
+    """A bounded wait of the request path expired (manifest request_timeouts); whoever yields it
+    has aborted the request in the engine. The ingress answers 504 naming the wait."""
+
+    wait: str = ""  # prefill, first_token, inter_token or total
+    limit_s: float = 0.0
+
+
 @dataclass
 class ServerStats:
     """Counters of one engine server replica, for tests and `moe-serve status`."""

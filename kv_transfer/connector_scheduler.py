@@ -170,6 +170,7 @@ class SchedulerSide:
             remote_engine_id=self._settings.engine_id, remote_request_id=request.request_id,
             remote_block_ids=tuple(block_ids), remote_num_tokens=request.num_computed_tokens,
             block_size_tokens=self._block_size, lease_deadline_unix_s=deadline_s, grant=grant,
+            lease_remaining_s=lease_s,  # what decode goes by: a duration, valid on any clock
         )
         return True, transfer.to_engine()
 

@@ -270,9 +270,10 @@ class WorkerSide:
         try:
             if params.inject_failure:
                 raise InjectedFailure("injected transfer failure (test hook)")
-            if time.time() + self._settings.transfer_timeout_s > params.lease_deadline_unix_s:
-                # A pull that could still be running at the deadline might read blocks the
-                # prefill side has already reused for another request: never start one.
+            if params.ends_within(self._settings.transfer_timeout_s, time.monotonic(), time.time()):
+                # A pull that could still be running at the deadline would be refused (the prefill
+                # checks its own clock) or fail mid-way: never start one. Decided on this node's
+                # monotonic clock from the lease time the prefill sent (kv_transfer/params.py).
                 raise LeaseExpired(f"lease of {params.remote_request_id} ends before a pull could finish")
             dest = self._pages.pages(list(job.local_block_ids))
             result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,

@@ -2,6 +2,14 @@
 
 They travel inside vLLM's `kv_transfer_params` dict (msgpack between engine processes, so
 plain JSON-like values only); these records are the one place that knows the keys.
+
+Deadlines across nodes: the lease's deadline is a time on the prefill node's clock, and only
+the prefill side compares it with a clock (its own; the signed grant covers it). What crosses
+to decode for its own decision is a duration: `lease_remaining_s`, the time the lease had left
+when the params left the prefill node. Decode turns it into a deadline on its own monotonic
+clock when its engine server receives the request (`received`), so decode's choice to start a
+pull never depends on two nodes' clocks agreeing. The Ray hops in between (prefill replica ->
+ingress -> decode replica) are not timed; `TRANSIT_ALLOWANCE_S` is taken off for them.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from typing import Any
 PRODUCE_KEY = "do_remote_decode"  # prefill: keep the blocks and return TransferParams
 CONSUME_KEY = "do_remote_prefill"  # decode: pull the blocks named by the params
 LOAD_TIMING_KEY = "moe_serve_kv_load"  # a finished request's LoadTiming, when it loaded KV
+TRANSIT_ALLOWANCE_S = 0.5  # untimed hops between the prefill node and decode's receipt (two Ray RPCs)
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,11 @@ class TransferParams:
     lease_deadline_unix_s: float
     inject_failure: bool = False  # fault injection for tests (only if the manifest allows it)
     grant: str = ""  # hex: the prefill's signed grant of exactly these blocks until its deadline
+    # Seconds the lease had left as the params left the prefill node (a duration: no clock needed).
+    lease_remaining_s: float | None = None
+    # Set by decode's engine server on receipt: the deadline on the decode node's monotonic clock
+    # (CLOCK_MONOTONIC, shared by the server, its engine core and workers on that node).
+    lease_deadline_local_s: float | None = None
 
     def grant_bytes(self) -> bytes:
         return bytes.fromhex(self.grant) if self.grant else b""
@@ -47,6 +61,14 @@ class TransferParams:
 
     def with_failure_injected(self) -> "TransferParams":
         return TransferParams(**{**asdict(self), "inject_failure": True})
+
+    def ends_within(self, window_s: float, now_s: float, now_unix_s: float) -> bool:
+        """Decode: whether the lease may end within `window_s` (so a pull must not start).
+        `now_s`: this node's monotonic clock; `now_unix_s` is used only for params that never
+        passed a receiving engine server (issued by a prefill that sends no remaining time)."""
+        if self.lease_deadline_local_s is not None:
+            return now_s + window_s > self.lease_deadline_local_s
+        return now_unix_s + window_s > self.lease_deadline_unix_s
 
 
 @dataclass(frozen=True)
@@ -85,3 +107,24 @@ def is_transfer(params: dict[str, Any] | None) -> bool:
 def prefill_request_params() -> dict[str, Any]:
     """kv_transfer_params for a prefill engine's request: compute the prompt, keep the blocks."""
     return {PRODUCE_KEY: True}
+
+
+def handed_over(params: dict[str, Any], now_unix_s: float) -> dict[str, Any]:
+    """Prefill node, as a finished prefill's params leave it: the lease time left, read off the
+    deadline with this node's clock (the clock that set it). Never more than it was."""
+    if not is_transfer(params) or "lease_deadline_unix_s" not in params:
+        return params
+    left_s = params["lease_deadline_unix_s"] - now_unix_s
+    if params.get("lease_remaining_s") is not None:
+        left_s = min(left_s, params["lease_remaining_s"])
+    return {**params, "lease_remaining_s": left_s}
+
+
+def received(params: dict[str, Any], now_s: float) -> dict[str, Any]:
+    """Decode node, on receipt of a request to pull: the lease's deadline on this node's
+    monotonic clock, `TRANSIT_ALLOWANCE_S` early for the untimed hops. Params without a
+    remaining time (an older prefill) are left to the wall-clock check."""
+    remaining_s = params.get("lease_remaining_s")
+    if not params.get(CONSUME_KEY) or remaining_s is None:
+        return params
+    return {**params, "lease_deadline_local_s": now_s + remaining_s - TRANSIT_ALLOWANCE_S}

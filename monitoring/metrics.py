@@ -53,7 +53,11 @@ class Phase(str, Enum):
 
 REQUESTS = MetricDef("moe_serve_requests_total", Kind.counter,
                      "Requests answered by the OpenAI ingress, by route and outcome "
-                     "(ok, client_error, rejected: 429 by admission control, server_error, cancelled).", ("route", "outcome"))
+                     "(ok, client_error, rejected: 429 by admission control, timeout: 504 after a bounded wait, "
+                     "server_error, cancelled).", ("route", "outcome"))
+REQUEST_TIMEOUTS = MetricDef("moe_serve_request_timeouts_total", Kind.counter,
+                             "Requests aborted because a bounded wait expired (manifest request_timeouts), by "
+                             "route and wait (prefill, first_token, inter_token, total).", ("route", "wait"))
 REQUEST_E2E = MetricDef("moe_serve_request_e2e_seconds", Kind.histogram,
                         "End-to-end latency of successful requests at the ingress (body received -> "
                         "response complete).", ("route",), LATENCY_BUCKETS)
@@ -159,7 +163,7 @@ AUTOSCALER_LAST_DECISION = MetricDef("moe_serve_autoscaler_last_decision_timesta
                                      "Unix time of the autoscaler's latest decision (a stuck loop stops it).")
 
 CATALOGUE: tuple[MetricDef, ...] = (
-    REQUESTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
+    REQUESTS, REQUEST_TIMEOUTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
     PROMPT_CACHED_TOKENS, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS,
     ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,

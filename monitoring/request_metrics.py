@@ -62,8 +62,11 @@ class RequestMetrics:
     def start(self, route: str) -> RequestTrace:
         return RequestTrace(route=route, received=time.monotonic())
 
-    def failed(self, trace: RequestTrace, outcome: str) -> None:
+    def failed(self, trace: RequestTrace, outcome: str, wait: str | None = None) -> None:
+        """`wait`: for outcome "timeout", the wait that expired (prefill, first_token, ...)."""
         self._exporter.inc(m.REQUESTS, route=trace.route, outcome=outcome)
+        if wait:
+            self._exporter.inc(m.REQUEST_TIMEOUTS, route=trace.route, wait=wait)
 
     def succeeded(self, trace: RequestTrace) -> str:
         """Record a completed request; returns its Server-Timing header value."""

@@ -17,7 +17,8 @@ ENGINE = {"max_num_seqs": 8, "extra_args": {"trust_remote_code": True}}
 class FakeServer:
     """LLMServer's interface; `gate` holds generate() open until set."""
 
-    def __init__(self, model, engine, model_path, kv_transfer, *, pool="engine", rank=0, metrics=True):
+    def __init__(self, model, engine, model_path, kv_transfer, *, pool="engine", rank=0, metrics=True,
+                 request_timeouts=None):
         self.engine, self.rank, self.pool = engine, rank, pool
         self.requests: list[str] = []
         self.gate = asyncio.Event()
