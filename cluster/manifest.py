@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
 from cluster.manifest_http import HTTPSpec
+from cluster.manifest_kubernetes import KubernetesSpec
 from cluster.manifest_routing import AdmissionSpec, RoutingSpec
+from cluster.manifest_timeouts import RequestTimeoutsSpec, timeout_issues
 
 _LABEL_KEY = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
 
@@ -258,10 +260,14 @@ class Manifest(_Strict):
     """The cluster-wide KV cache pool (off unless enabled)."""
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
     """Bounded queues: past them the ingress answers 429 with Retry-After."""
+    request_timeouts: RequestTimeoutsSpec = Field(default_factory=RequestTimeoutsSpec)
+    """Bounds on the prefill, first-token and inter-token waits (504 past them; cluster/manifest_timeouts.py)."""
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     """Settings of the coordinated autoscaler (used when the pools have autoscaling bounds)."""
     local_cluster: LocalClusterSpec | None = None
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
+    """How `moe-serve build --kuberay` lays it out as a KubeRay RayService (cluster/manifest_kubernetes.py)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -310,6 +316,7 @@ class Manifest(_Strict):
             problems.append(ManifestIssue(
                 "kv_pool.protocol", "rdma", "RDMA on a cpu manifest", "use protocol: tcp on CPU machines"))
         problems.extend(autoscaling_issues(self))
+        problems.extend(timeout_issues(self))
         if self.local_cluster:
             node_names = [node.name for node in self.local_cluster.nodes]
             if len(set(node_names)) != len(node_names):
