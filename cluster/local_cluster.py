@@ -82,6 +82,7 @@ class LocalCluster:
         self.ports = ports
         self._object_store_bytes = object_store_bytes
         self._cluster = None
+        self._nodes: dict[str, object] = {}  # node name -> ray.cluster_utils node handle
 
     @property
     def address(self) -> str:
@@ -105,9 +106,10 @@ class LocalCluster:
             self._cluster = Cluster(initialize_head=True, head_node_args=dict(
                 self._node_args(head, 0), gcs_server_port=self.ports.gcs, include_dashboard=True,
                 dashboard_host=LOOPBACK, dashboard_port=self.ports.dashboard))
+            self._nodes[head.name] = self._cluster.head_node
             for index, node in enumerate(workers, start=1):
                 progress(f"starting Ray node '{node.name}' ({node.num_cpus} CPUs, labels {node.labels})")
-                self._cluster.add_node(**self._node_args(node, index))
+                self._nodes[node.name] = self._cluster.add_node(**self._node_args(node, index))
             self._cluster.wait_for_nodes()
         except Exception as exc:
             self.shutdown()
@@ -122,7 +124,14 @@ class LocalCluster:
                     object_store_memory=self._object_store_bytes,
                     metrics_export_port=self.ports.metrics_export_base + index)
 
+    def remove_node(self, name: str) -> None:
+        """Take the worker node `name` out of the cluster, as a machine failure would (its raylet
+        and every process on it are killed)."""
+        node = self._nodes.pop(name)
+        self._cluster.remove_node(node, allow_graceful=False)
+
     def shutdown(self) -> None:
+        self._nodes.clear()
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None

@@ -136,23 +136,36 @@ def status_text() -> str:
     import ray
     from ray import serve
 
+    from cluster.status_report import AppView, DeploymentView, NodeView, degraded_lines
+
+    raw_nodes = ray.nodes()
+    nodes = [NodeView(node["NodeID"], node["NodeManagerAddress"], bool(node.get("Alive")),
+                      {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")})
+             for node in raw_nodes]
+    resources = {node["NodeID"]: node.get("Resources", {}) for node in raw_nodes}
     lines = ["nodes:"]
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        labels = {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
-        cpus = node.get("Resources", {}).get("CPU", 0)
-        lines.append(f"  {node['NodeManagerAddress']:<16} {node['NodeID'][:12]}  cpus={cpus:g}  labels={labels}")
+    for node in nodes:
+        if node.alive:
+            cpus = resources[node.node_id].get("CPU", 0)
+            lines.append(f"  {node.address:<16} {node.node_id[:12]}  cpus={cpus:g}  labels={dict(node.labels)}")
     status = serve.status()
     if not status.applications:
         lines.append("no Serve applications")
+    apps = []
     for name, app in status.applications.items():
         lines.append(f"application {name}: {_name(app.status)}")
+        views = []
         for dep_name, dep in app.deployments.items():
-            replicas = ", ".join(f"{_name(state)}={count}" for state, count in dep.replica_states.items())
+            states = {_name(state): count for state, count in dep.replica_states.items()}
+            views.append(DeploymentView(dep_name, _name(dep.status), states, dep.message or ""))
+            replicas = ", ".join(f"{state}={count}" for state, count in states.items())
             lines.append(f"  {dep_name:<20} {_name(dep.status):<10} replicas: {replicas or '-'}")
             if dep.message:
                 lines.append(f"    {dep.message[:300]}")
+        apps.append(AppView(name, _name(app.status), views))
+    problems = degraded_lines(apps, nodes)
+    lines.append("degraded:" if problems else "degraded: nothing (every node up, every deployment serving)")
+    lines.extend(f"  {problem}" for problem in problems)
     return "\n".join(lines)
 
 

@@ -42,6 +42,7 @@ class Stack:
     max_model_len: int
     prometheus_url: str = ""
     prometheus: object = None  # the session's LocalPrometheus (the autoscaler module stops it)
+    cluster: object = None  # the session's LocalCluster (the last module removes a node)
 
 
 def _log(message: str) -> None:
@@ -196,6 +197,7 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
             base_url=f"http://127.0.0.1:{TEST_HTTP_PORT}", model=manifest.model.name, app_name=manifest.name,
             dashboard_url=cluster.dashboard_url, manifest_path=manifest_path,
             max_model_len=manifest.model.max_model_len, prometheus_url=prometheus.url, prometheus=prometheus,
+            cluster=cluster,
         )
     finally:
         prometheus.stop()

@@ -1,5 +1,5 @@
-"""CLI conventions on the real cluster: Ctrl-C during a deploy stops at once with exit 130, and
-`moe-serve down` removes the applications moe-serve deployed (by either path) while a Serve
+"""CLI conventions on the real cluster: Ctrl-C during a deploy stops at once with exit 130; a
+node removed from the cluster shows in `moe-serve status` as degraded; `moe-serve down` removes the applications moe-serve deployed (by either path) while a Serve
 application someone else deployed keeps running.
 
 Runs last (file order): it removes the session's application.
@@ -67,6 +67,28 @@ def test_ctrl_c_during_deploy_stops_at_once_with_exit_130(stack, tmp_path):
     assert deploy.returncode == 130, "".join(seen) + rest
     assert time.monotonic() - interrupted_at < 15
     assert "moe-serve down --app moe-interrupted" in rest, rest
+
+
+def test_a_node_removed_from_the_cluster_is_reported_as_degraded(stack):
+    """A decode node fails: its expert-parallel rank dies with it, Serve cannot place a new group
+    (no other node carries the label), and `moe-serve status` says what is degraded and why."""
+    from cluster.serve_control import status_text
+
+    stack.cluster.remove_node("decode-1")
+    deadline = time.monotonic() + 180
+    text = ""
+    while time.monotonic() < deadline:
+        text = status_text()
+        if "left the cluster (moe-role=decode)" in text and f"{stack.app_name}/decode:" in text:
+            break
+        time.sleep(3)
+    result = subprocess.run([MOE_SERVE, "status", "--address", f"127.0.0.1:{TEST_GCS_PORT}"], cwd=REPO, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    degraded = result.stdout.split("degraded:", 1)[1]
+    assert "left the cluster (moe-role=decode)" in degraded, result.stdout
+    assert f"{stack.app_name}/decode:" in degraded, result.stdout
+    assert f"{stack.app_name}/openai-ingress" not in degraded, result.stdout  # the rest still serves
 
 
 def test_down_removes_what_moe_serve_deployed_and_leaves_other_apps(stack, foreign_app):
