@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -24,6 +25,9 @@ class AuthSpec(_Strict):
     """A secrets file with one key per line (e.g. a mounted Kubernetes secret)."""
     required: bool = False
     """Refuse to serve without keys: a source must be named, and it must hold keys."""
+    allow_unauthenticated: bool = False
+    """Serve an address beyond loopback without required keys: only where something in front
+    (a gateway, a service mesh) authenticates every caller. Without it such a manifest is refused."""
 
     @model_validator(mode="after")
     def _required_needs_a_source(self) -> "AuthSpec":
@@ -53,5 +57,24 @@ class HTTPSpec(_Strict):
     """Replicas of the OpenAI ingress (tokenization and validation)."""
     auth: AuthSpec = Field(default_factory=AuthSpec)
     """API keys (off by default for the local cluster; the GPU examples require them)."""
+
+    @model_validator(mode="after")
+    def _open_only_on_loopback(self) -> "HTTPSpec":
+        # An endpoint other machines reach runs vLLM for anyone who finds it: keys, or a stated reason.
+        if not _loopback(self.host) and not (self.auth.required or self.auth.allow_unauthenticated):
+            raise ValueError(f"host {self.host} serves other machines but http.auth.required is false; "
+                             "require API keys (http.auth.api_keys_env or api_keys_file, required: true), "
+                             "bind 127.0.0.1, or set http.auth.allow_unauthenticated: true if a gateway "
+                             "in front authenticates every caller")
+        return self
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 

@@ -364,3 +364,26 @@ def test_admission_limits_follow_the_serving_pool_at_its_largest_and_split_over_
     engines = decode.autoscaling.max_replicas * decode.ranks_per_replica
     assert limits["max_running"] == -(-engines * decode.engine.max_num_seqs // 2)
     assert limits["max_queued"] == -(-engines * manifest.admission.max_queued_per_replica // 2)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "serve.internal"])
+def test_an_endpoint_beyond_loopback_needs_required_api_keys_or_a_stated_gateway(host):
+    def open_to_the_network(data):
+        data["http"]["host"] = host
+
+    issue = only_issue(broken(LOCAL, open_to_the_network))
+    assert issue.field == "http" and f"host {host} serves other machines" in issue.problem
+    assert "required: true" in issue.problem and "allow_unauthenticated" in issue.problem
+    gatewayed = copy.deepcopy(raw(LOCAL))
+    gatewayed["http"].update(host=host, auth={"allow_unauthenticated": True})
+    assert parse_manifest(gatewayed).http.host == host
+    keyed = copy.deepcopy(raw(LOCAL))
+    keyed["http"].update(host=host, auth={"api_keys_env": "MOE_SERVE_API_KEYS", "required": True})
+    assert parse_manifest(keyed).http.auth.required
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_a_loopback_endpoint_may_stay_open(host):
+    data = copy.deepcopy(raw(LOCAL))
+    data["http"]["host"] = host
+    assert not parse_manifest(data).http.auth.enabled
