@@ -52,10 +52,10 @@ class ModelSpec(_Strict):
     """Quantize the weights when loading (vLLM's `quantization`), e.g. fp8 for a bf16 checkpoint.
     Leave unset for checkpoints that are already quantized (DeepSeek-V3's FP8 release): vLLM
     reads their quantization_config."""
-    tool_parser: Annotated[str, Field(pattern=r"^[a-z0-9_]+$")] | None = None
+    tool_parser: Annotated[str, Field(pattern=r"^[a-z0-9_-]+$")] | None = None
     """vLLM's tool-call parser for this model (e.g. hermes for Qwen3, deepseek_v3, glm45): turns
     on `tools` with tool_choice auto and a named function. Without it: none/required only."""
-    reasoning_parser: Annotated[str, Field(pattern=r"^[a-z0-9_]+$")] | None = None
+    reasoning_parser: Annotated[str, Field(pattern=r"^[a-z0-9_-]+$")] | None = None
     """vLLM's reasoning parser (e.g. qwen3, deepseek_r1, glm45): separates `reasoning` from content."""
 
     @field_validator("path")
@@ -66,6 +66,16 @@ class ModelSpec(_Strict):
         if value.startswith(BUILTIN_SCHEME) and value[len(BUILTIN_SCHEME):] not in SPECS:
             known = ", ".join(BUILTIN_SCHEME + name for name in SPECS)
             raise ValueError(f"unknown builtin checkpoint; use one of {known} or a directory")
+        return value
+
+    @field_validator("tool_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None, info) -> str | None:
+        from cluster.vllm_parsers import unknown_parser
+
+        problem = None if value is None else unknown_parser(info.field_name.split("_")[0], value)
+        if problem:
+            raise ValueError(problem)
         return value
 
 
