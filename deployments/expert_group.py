@@ -12,11 +12,16 @@ fails at once with a retriable error (surviving ranks would otherwise wait insid
 for a peer that is gone), new requests are refused, and check_health fails so Serve replaces
 the whole replica; its rank actors die with it (Ray kills actors whose owner is gone).
 
-A rank that is alive but hung (stuck in a collective, an engine that stopped stepping) breaks
-nothing the watchdog can see, so the relay bounds its own waits with the manifest's
-request_timeouts: past the first-token or inter-token bound the request fails (a WaitExpired
-value) and is aborted on its rank, whether or not the caller's cancellation ever arrives.
-`rank_failure_timeout_s` only bounds how long a cancelled request waits for its rank to let go.
+A rank that is alive but hung (stuck in a collective, an engine that stopped stepping) does not
+end the never-ending call the death watchdog holds, so two more things look for it:
+- each request's waits are bounded (the manifest's request_timeouts): past the first-token or
+  inter-token bound the request fails (a WaitExpired value) and is aborted on its rank, whether
+  or not the caller's cancellation ever arrives;
+- check_health (Serve calls it every few seconds) asks every remote rank for its health within
+  RANK_HEALTH_TIMEOUT_S, and treats the group as hung when a request expired at a stall bound
+  (prefill, first token, inter-token) and no rank has produced anything since (StallWatch). A
+  hung group is broken like one with a dead rank: Serve replaces the replica.
+`rank_failure_timeout_s` bounds how long a cancelled request waits for its rank to let go.
 """
 
 from __future__ import annotations
@@ -30,14 +35,47 @@ from typing import Any
 
 from deployments.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
 from deployments.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
-from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta
+from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta, WaitExpired
 from deployments.stream_deadlines import RequestTimeouts, StreamDeadlines, result_within, wait_expired
 
 logger = logging.getLogger(__name__)
 
 
 class GroupBroken(RuntimeError):
-    """A rank of this engine group died; the group cannot serve until Serve replaces it."""
+    """A rank of this engine group died or hung; the group cannot serve until Serve replaces it."""
+
+
+# Expired waits that mean the engine stopped making progress (total_timeout_s caps a request
+# that was progressing, so it says nothing about the group's health).
+STALL_WAITS = frozenset({"prefill", "first_token", "inter_token"})
+# How long a remote rank gets to answer the group's health check: far above the event-loop lag
+# of a busy rank (seconds on a loaded 2-core machine), below the 60 s health-check timeout the
+# builder gives Serve.
+RANK_HEALTH_TIMEOUT_S = 20.0
+
+
+class StallWatch:
+    """Whether the group has stalled: a request expired at a stall bound and nothing (a token, a
+    finished prefill) came from any rank afterwards. Plain times in, a verdict out."""
+
+    def __init__(self) -> None:
+        self.last_progress_s: float | None = None
+        self.stalled_since_s: float | None = None  # the first stall expiry not followed by progress
+
+    def progress(self, now_s: float) -> None:
+        self.last_progress_s = now_s
+        self.stalled_since_s = None
+
+    def expired(self, wait: str, now_s: float) -> None:
+        if wait in STALL_WAITS and self.stalled_since_s is None:
+            self.stalled_since_s = now_s
+
+    def verdict(self, now_s: float) -> str | None:
+        """Why the group counts as hung, or None."""
+        if self.stalled_since_s is None:
+            return None
+        return (f"hung: a request expired at a stall bound {now_s - self.stalled_since_s:.0f}s ago and no rank "
+                "has produced anything since")
 
 
 class ExpertParallelGroup:
@@ -76,6 +114,7 @@ class ExpertParallelGroup:
         self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor, cancel_remote or _ray_cancel)
                                                    for actor in self._remote]
         self._in_flight = [0] * self._size
+        self._stall = StallWatch()
         self._broken: str | None = None
         self._broken_event = asyncio.Event()
         self._watchdog: asyncio.Task | None = None
@@ -103,7 +142,9 @@ class ExpertParallelGroup:
                 done, _ = await asyncio.wait({step, broken}, timeout=max(deadlines.next()[0] - time.monotonic(), 0.0),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:  # the rank is alive but silent past a bound: give up (the finally aborts it)
-                    yield deadlines.expired()
+                    expired = deadlines.expired()
+                    self._stall.expired(expired.wait, time.monotonic())
+                    yield expired
                     return
                 if step not in done:  # a rank died: this rank may be stuck in a collective
                     yield self._failure()
@@ -116,7 +157,12 @@ class ExpertParallelGroup:
                     self._mark_broken(f"rank {rank} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     yield self._failure()
                     return
-                deadlines.seen(item, time.monotonic())
+                now = time.monotonic()
+                deadlines.seen(item, now)
+                if isinstance(item, WaitExpired):  # the rank itself gave up on a bound
+                    self._stall.expired(item.wait, now)
+                elif not isinstance(item, EngineFailure):
+                    self._stall.progress(now)
                 yield item
         finally:
             broken.cancel()
@@ -139,8 +185,14 @@ class ExpertParallelGroup:
         try:
             if not await result_within(call, limit_s):
                 call.add_done_callback(self._release_when_done)  # a lease it ends up with is freed
+                self._stall.expired("prefill", time.monotonic())
                 return wait_expired("prefill", self._timeouts.prefill_timeout_s)
-            return call.result()
+            result = call.result()
+            if isinstance(result, WaitExpired):
+                self._stall.expired(result.wait, time.monotonic())
+            elif isinstance(result, PrefillResult):
+                self._stall.progress(time.monotonic())
+            return result
         except asyncio.CancelledError:
             call.add_done_callback(self._release_when_done)
             raise
@@ -163,9 +215,28 @@ class ExpertParallelGroup:
 
     async def check_health(self) -> None:
         self._ensure_watchdog()
+        if self._broken is None:
+            hung = self._stall.verdict(time.monotonic()) or await self._unresponsive_rank()
+            if hung:
+                self._mark_broken(hung)
         if self._broken:
             raise GroupBroken(self._broken)
         await self._local.check_health()
+
+    async def _unresponsive_rank(self) -> str | None:
+        """A remote rank that does not answer its health check within RANK_HEALTH_TIMEOUT_S."""
+        checks = [asyncio.ensure_future(rank.check_health()) for rank in self._ranks[1:]]
+        try:
+            for index, check in enumerate(checks, start=1):
+                if not await result_within(check, RANK_HEALTH_TIMEOUT_S):
+                    return f"rank {index} did not answer its health check within {RANK_HEALTH_TIMEOUT_S:g}s"
+                if check.exception() is not None:
+                    return f"rank {index} failed its health check: {type(check.exception()).__name__}: " \
+                           f"{str(check.exception())[:200]}"
+            return None
+        finally:
+            for check in checks:
+                check.cancel()
 
     async def stats(self) -> ServerStats:
         per_rank = [await rank.stats() for rank in self._ranks]
@@ -291,6 +362,9 @@ class _LocalRank:
     async def placement(self):
         return await self._server.placement()
 
+    async def check_health(self) -> None:
+        await self._server.check_health()
+
     def shutdown_engine(self) -> None:
         self._server.shutdown_engine()
 
@@ -324,6 +398,9 @@ class _RemoteRank:
 
     async def placement(self):
         return await self._actor.placement.remote()
+
+    async def check_health(self) -> None:
+        await self._actor.check_health.remote()
 
     def shutdown_engine(self) -> None:
         self._actor.shutdown_engine.remote()  # fire and forget: the actor may be dead already

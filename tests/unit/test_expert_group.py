@@ -76,6 +76,7 @@ class FakeRankActor:
         self.routed_tokens_per_expert = _Method(server.routed_tokens_per_expert)
         self.wait_forever = _Method(self._wait_forever)
         self.shutdown_engine = _Method(server.shutdown_engine)
+        self.check_health = _Method(server.check_health)
 
     async def _wait_forever(self):
         await self.dead.wait()

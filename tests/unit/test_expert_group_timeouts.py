@@ -12,7 +12,7 @@ import deployments.expert_group as expert_group
 from deployments.expert_group import ExpertParallelGroup
 from deployments.records import PrefillResult, TokenDelta, WaitExpired
 from tests.unit.ingress_fakes import FakeMetricsBackend
-from tests.unit.test_expert_group import ENGINE, FakeRankActor, FakeServer, drain, request
+from tests.unit.test_expert_group import ENGINE, FakeRankActor, FakeServer, _Method, drain, request
 
 TIMEOUTS = {"prefill_timeout_s": 0.3, "first_token_timeout_s": 0.6, "inter_token_timeout_s": 0.3}
 SLACK_S = 2.0
@@ -129,3 +129,70 @@ def test_items_within_the_bounds_pass_through_unchanged():
 
     assert asyncio.run(asyncio.wait_for(scenario(), GUARD_S)) == [TokenDelta("a", [1], None, 3, 1),
                                                                    TokenDelta("b", [2], "length", 3, 2)]
+
+
+# --- the hung-group watchdog (check_health) ----------------------------------------------------
+
+def test_stall_watch_counts_only_stall_bounds_and_progress_clears_it():
+    watch = expert_group.StallWatch()
+    assert watch.verdict(10.0) is None
+    watch.expired("total", 1.0)  # a request that was progressing hit its total cap: not a stall
+    assert watch.verdict(10.0) is None
+    watch.expired("first_token", 2.0)
+    watch.expired("inter_token", 3.0)  # the stall started at the first one
+    assert watch.verdict(10.0).startswith("hung: a request expired at a stall bound 8s ago")
+    watch.progress(11.0)
+    assert watch.verdict(12.0) is None
+
+
+def test_a_group_that_stalls_fails_its_health_check_and_refuses_requests():
+    async def scenario():
+        group, local, _ = make_group()
+        await group.check_health()  # healthy to begin with
+        local.hang_first = True
+        items = await drain(group.generate(request(0)))  # rank 0 never sends a token
+        try:
+            await group.check_health()
+        except expert_group.GroupBroken as exc:
+            return items, str(exc), await drain(group.generate(request(2)))
+        raise AssertionError("a stalled group passed its health check")
+
+    items, reason, refused = asyncio.run(asyncio.wait_for(scenario(), GUARD_S))
+    assert isinstance(items[0], WaitExpired) and items[0].wait == "first_token"
+    assert reason.startswith("hung: a request expired at a stall bound")
+    assert len(refused) == 1 and refused[0].retriable and "unavailable" in refused[0].message
+
+
+def test_progress_after_an_expiry_keeps_the_group_healthy():
+    async def scenario():
+        group, local, _ = make_group()
+        local.hang_first = True
+        await drain(group.generate(request(0)))  # rank 0: expires
+        local.hang_first = False
+        await drain(group.generate(request(2)))  # and then serves: it was one slow request
+        await group.check_health()
+        return group
+
+    assert not asyncio.run(asyncio.wait_for(scenario(), GUARD_S))._broken
+
+
+def test_a_remote_rank_that_does_not_answer_its_health_check_breaks_the_group(monkeypatch):
+    monkeypatch.setattr(expert_group, "RANK_HEALTH_TIMEOUT_S", 0.2)  # 20 s in production
+
+    async def scenario():
+        group, _, _ = make_group()
+
+        async def never():
+            await asyncio.Event().wait()
+
+        group._remote[0].check_health = _Method(never)  # rank 1's actor is alive but its loop is stuck
+        started = time.monotonic()
+        try:
+            await group.check_health()
+        except expert_group.GroupBroken as exc:
+            return str(exc), time.monotonic() - started
+        raise AssertionError("an unresponsive rank passed the group's health check")
+
+    reason, elapsed_s = asyncio.run(asyncio.wait_for(scenario(), GUARD_S))
+    assert reason == "rank 1 did not answer its health check within 0.2s"
+    assert elapsed_s < 0.2 + SLACK_S
