@@ -1,0 +1,41 @@
+"""benchmarks/soak_analysis.py: memory growth per process and the cost of a fault, on made-up data."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.soak_analysis import MIB, Outcome, Sample, fault_report, memory_growth
+
+
+def test_growth_is_median_to_median_after_warm_up_and_ignores_restarted_processes():
+    samples = [Sample(t, {1: ("ray::ServeReplica:moe-local:decode", (100 + t) * MIB),
+                          2: ("raylet", 50 * MIB if t != 40 else 500 * MIB)})  # one spike: not growth
+               for t in range(0, 100, 10)]
+    samples[-1] = Sample(90, {**samples[-1].rss, 3: ("VLLM::EngineCore", 10 * MIB)})  # started late
+    growth = memory_growth(samples, warm_until_s=30)
+    assert [(g.pid, g.label) for g in growth] == [(1, "ray::ServeReplica:moe-local:decode"), (2, "raylet")]
+    # first three after warm-up: 130, 140, 150 -> 140; last three: 170, 180, 190 -> 180
+    assert growth[0].start_mib == 140 and growth[0].end_mib == 180 and growth[0].growth_mib == 40
+    assert growth[1].growth_mib == 0
+
+
+def test_too_few_samples_after_warm_up_is_an_error_that_says_what_to_do():
+    with pytest.raises(ValueError, match="run longer or sample more often"):
+        memory_growth([Sample(t, {}) for t in range(5)], warm_until_s=0)
+
+
+def test_a_fault_counts_requests_overlapping_it_and_only_unretriable_ones_as_lost():
+    outcomes = [
+        Outcome(0, 5, 200),                     # ended before the fault: not counted
+        Outcome(8, 12, 503, "retry"),           # in flight at the fault: affected, retriable
+        Outcome(9, 11, "error-event", "retry"),  # a stream cut with a retry event: affected
+        Outcome(10.5, 40, "no-answer"),         # no answer at all: lost
+        Outcome(11, 13, 504, "first_token_timeout"),  # a timeout is not "retry": lost
+        Outcome(12, 14, 200),                   # first success started after the fault: 4 s
+        Outcome(50, 51, 503, "retry"),          # after recovery: not this fault's
+    ]
+    report = fault_report("prefill replica killed", "SIGKILL", outcomes, fault_at_s=10, recovered_at_s=30)
+    assert (report.affected, report.lost, report.first_success_s, report.full_capacity_s) == (4, 2, 4, 20)
+    assert report.slowest_s == 29.5  # the request without an answer, 10.5 s -> 40 s
+    never = fault_report("node removed", "remove_node", outcomes, fault_at_s=10, recovered_at_s=None)
+    assert never.full_capacity_s is None and never.affected == 5
