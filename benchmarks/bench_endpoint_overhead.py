@@ -34,7 +34,7 @@ class DirectEngineBackend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from deployments.vllm_engine import engine_args_dict
+        from deployments.engine.vllm_engine import engine_args_dict
 
         pool = manifest.pools[0]
         args = engine_args_dict(manifest.model.model_dump(), pool.engine.model_dump(), model_path)

@@ -37,7 +37,7 @@ def _log(message: str) -> None:
 
 def layout_manifest(layout: str) -> dict:
     """local-colocated.yaml with one engine (N=1) or one 2-rank expert-parallel group (N=2)."""
-    from deployments.expert_ranks import CPU_COMPAT_EXTENSION
+    from deployments.expert_parallel.expert_ranks import CPU_COMPAT_EXTENSION
 
     data = yaml.safe_load(BASE_MANIFEST.read_text())
     nodes = data["local_cluster"]["nodes"]

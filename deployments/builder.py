@@ -17,9 +17,9 @@ from ray.serve import Application
 from cluster.manifest import Accelerator, Manifest, PoolRole, PoolSpec
 from cluster.manifest_timeouts import effective_timeouts
 from cluster.plan import INGRESS_NUM_CPUS
-from deployments.expert_group import ExpertParallelGroup
-from deployments.llm_server import LLMServer
-from deployments.openai_ingress import OpenAIIngress
+from deployments.expert_parallel.expert_group import ExpertParallelGroup
+from deployments.engine.llm_server import LLMServer
+from deployments.frontend.openai_ingress import OpenAIIngress
 
 INGRESS_DEPLOYMENT = "openai-ingress"
 DEFAULT_BLOCK_SIZE = 16  # the router's prefix granularity where the manifest sets no engine block size

@@ -1,12 +1,52 @@
-"""How the ingress reaches an engine pool: a Serve deployment handle, seen as a plain stream."""
+"""The two sides of the request path's engine boundary, as Protocols, and the handle client.
+
+EngineServer: what one replica of an engine pool is, whatever it holds: LLMServer (one vLLM
+engine) or ExpertParallelGroup (N ranks). EngineClient: what the ingress streams from, whatever
+stands behind it: a pool's Serve handle (HandleEngineClient), the disaggregated prefill-then-
+decode client (DisaggregatedEngineClient), or a test's fake. tests/unit/test_engine_protocols.py
+checks every implementation against them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
-from deployments.records import EngineFailure, EngineRequest, TokenDelta
+from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta
+
+
+class EngineServer(Protocol):
+    """One replica of an engine pool (called through Serve handles)."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
+        """Stream the request's tokens; a failure is the last item, never an exception. Closing
+        the stream aborts the request in the engine."""
+        ...
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
+        """Run the prompt only and keep its KV blocks under a lease for a decode pull."""
+        ...
+
+    async def release(self, transfer_params: dict) -> None:
+        """Free a lease no decode will pull."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise when the replica cannot serve (Serve then replaces it)."""
+        ...
+
+    async def stats(self) -> ServerStats: ...
+
+
+class EngineClient(Protocol):
+    """Where the ingress sends a request's sequences."""
+
+    def stream(self, request: EngineRequest, **options: Any) -> AsyncIterator[TokenDelta | EngineFailure]:
+        """Stream the request's tokens; a failure is the last item. Closing it cancels the request."""
+        ...
+
+    async def health(self, timeout_s: float) -> None: ...
 
 
 class HandleEngineClient:
@@ -34,7 +74,7 @@ class HandleEngineClient:
         await asyncio.wait_for(self._handle.check_health.remote(), timeout_s)
 
 
-def as_engine_client(engine: Any) -> Any:
+def as_engine_client(engine: Any) -> EngineClient:
     """Wrap a Serve handle; anything else (a test's fake) must already have stream()/health()."""
     from ray.serve.handle import DeploymentHandle
 

@@ -32,7 +32,7 @@ async def run(rank: int, size: int, port: int, model: str, dtype: str, out: Path
         data_parallel_size=size, data_parallel_rank=rank, data_parallel_address="127.0.0.1",
         data_parallel_rpc_port=port, enable_expert_parallel=True, data_parallel_backend="mp",
         distributed_executor_backend="mp",
-        worker_extension_cls="deployments.vllm_cpu_ep_compat.CpuExpertParallelCompat"))
+        worker_extension_cls="deployments.engine.vllm_cpu_ep_compat.CpuExpertParallelCompat"))
     experts = (await llm.collective_rpc("local_experts"))[0]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.FINAL_ONLY)
 

@@ -13,7 +13,7 @@ Greedy outputs through HTTP must equal one plain vLLM engine's on the same check
 the connector's counters must show that every prompt block came over the wire.
 
 Requests are sent one at a time and the reference runs each prompt alone, so a failure names
-one request. (Until deployments/vllm_cpu_mla_fix.py, vLLM 0.32's CPU rotary kernel mis-rotated
+one request. (Until deployments/engine/vllm_cpu_mla_fix.py, vLLM 0.32's CPU rotary kernel mis-rotated
 MLA's 3-D views: DeepSeek-V3 outputs depended on the batch, and P/D, which loads the prompt's
 KV and computes only its last token, diverged from a plain prefill; docs/architectures.md.)
 """

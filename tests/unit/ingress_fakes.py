@@ -18,9 +18,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from deployments.engine_client import HandleEngineClient
-from deployments.openai_ingress import HEALTH_TIMEOUT_S, OpenAIIngress
+from deployments.frontend.openai_ingress import HEALTH_TIMEOUT_S, OpenAIIngress
 from deployments.records import EngineFailure, EngineRequest, TokenDelta
-from deployments.tokenizer import PromptTokenizer
+from deployments.frontend.tokenizer import PromptTokenizer
 
 
 MAX_MODEL_LEN = 64

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-import deployments.expert_group as expert_group
-from deployments.expert_group import ExpertParallelGroup
+import deployments.expert_parallel.expert_group as expert_group
+from deployments.expert_parallel.expert_group import ExpertParallelGroup
 from deployments.records import PrefillResult, TokenDelta, WaitExpired
 from tests.unit.ingress_fakes import FakeMetricsBackend
 from tests.unit.test_expert_group import ENGINE, FakeRankActor, FakeServer, _Method, drain, request

@@ -96,7 +96,7 @@ def test_prefill_issues_the_lease_time_left_with_its_deadline():
 def test_decodes_engine_server_converts_the_lease_time_on_receipt():
     import asyncio
 
-    from deployments.llm_server import LLMServer
+    from deployments.engine.llm_server import LLMServer
     from deployments.records import EngineRequest, SamplingSpec, TokenDelta
 
     class Recording:

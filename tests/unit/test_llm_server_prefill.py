@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.llm_server import LLMServer
+from deployments.engine.llm_server import LLMServer
 from deployments.records import EngineRequest, PrefillResult, SamplingSpec, TokenDelta
 from tests.unit.ingress_fakes import FakeMetricsBackend
 

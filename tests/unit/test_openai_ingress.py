@@ -7,9 +7,9 @@ import json
 import pytest
 
 from deployments.engine_client import HandleEngineClient
-from deployments.openai_ingress import OpenAIIngress
+from deployments.frontend.openai_ingress import OpenAIIngress
 from deployments.records import EngineFailure, EngineRequest, TokenDelta
-from deployments.tokenizer import PromptTokenizer
+from deployments.frontend.tokenizer import PromptTokenizer
 from tests.unit.ingress_fakes import *  # noqa: F403 (fakes, helpers and the engine/client fixtures)
 from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures, named for linters)
 

@@ -8,7 +8,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from deployments.openai_ingress import OpenAIIngress
+from deployments.frontend.openai_ingress import OpenAIIngress
 from tests.unit.ingress_fakes import HELLO, HTTP, MODEL, front_end
 
 LIMITS = {"max_running": 1, "max_queued": 1, "max_retry_s": 30}

@@ -61,7 +61,7 @@ def test_health_stays_open(keyed):
 
 
 def test_an_open_endpoint_says_so_when_it_starts(caplog):
-    with caplog.at_level(logging.WARNING, logger="deployments.openai_ingress"):
+    with caplog.at_level(logging.WARNING, logger="deployments.frontend.openai_ingress"):
         make_client(FakeEngine(script=[]))
     assert any("no API keys configured" in r.message for r in caplog.records)
 

@@ -21,8 +21,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from deployments.engine_client import HandleEngineClient
-from deployments.llm_server import LLMServer
-from deployments.openai_ingress import OpenAIIngress
+from deployments.engine.llm_server import LLMServer
+from deployments.frontend.openai_ingress import OpenAIIngress
 from deployments.records import EngineRequest, PrefillResult, SamplingSpec, TokenDelta, WaitExpired
 from monitoring.exporter import MetricsExporter
 from tests.unit.ingress_fakes import BLOCK, HELLO, HTTP, MODEL, FakeEngine, FakeMetricsBackend, deltas, front_end

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from deployments.stream_coalescer import coalesce
+from deployments.engine.stream_coalescer import coalesce
 
 
 async def _paced(items, gap_s):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deployments import vllm_cpu_ep_compat as compat
+from deployments.engine import vllm_cpu_ep_compat as compat
 from vllm.distributed.device_communicators import all2all as all2all_mod
 from vllm.distributed.device_communicators import cpu_communicator as cpu_comm_mod
 from vllm.distributed.device_communicators.base_device_communicator import (
@@ -314,7 +314,7 @@ def test_changed_signature_raises_runtime_error(monkeypatch):
 
 
 def test_count_local_routes_counts_only_the_experts_this_rank_holds():
-    from deployments.vllm_cpu_ep_compat import count_local_routes
+    from deployments.engine.vllm_cpu_ep_compat import count_local_routes
 
     expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # this rank holds experts 2 and 3
     topk_ids = torch.tensor([[0, 2], [3, 2], [1, 0]], dtype=torch.int32)
@@ -327,7 +327,7 @@ def test_grouped_topk_with_correction_bias_is_localized_and_counted_exactly_over
     routes and the per-expert counts must add up to exactly the router's global choice."""
     from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
 
-    from deployments.vllm_cpu_ep_compat import count_local_routes, localize_topk
+    from deployments.engine.vllm_cpu_ep_compat import count_local_routes, localize_topk
 
     generator = torch.Generator().manual_seed(3)
     tokens, experts = 64, 8

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vllm
-from deployments import vllm_cpu_mla_fix as fix
+from deployments.engine import vllm_cpu_mla_fix as fix
 from vllm import _custom_ops as ops
 from vllm.platforms import current_platform
 

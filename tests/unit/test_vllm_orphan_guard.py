@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = """
 import subprocess, sys
 grandchild = subprocess.Popen([sys.executable, "-c",
-    "from deployments.vllm_orphan_guard import install; install(); import time; time.sleep(60)"])
+    "from deployments.engine.vllm_orphan_guard import install; install(); import time; time.sleep(60)"])
 print(grandchild.pid, flush=True)
 __import__("time").sleep(2.0)  # time for the grandchild to install the guard
 """
@@ -47,4 +47,4 @@ def test_an_orphaned_process_exits_within_a_few_seconds():
 
 def test_the_guard_is_registered_as_a_vllm_general_plugin():
     values = {e.value for e in entry_points(group="vllm.general_plugins")}
-    assert "deployments.vllm_orphan_guard:install" in values
+    assert "deployments.engine.vllm_orphan_guard:install" in values

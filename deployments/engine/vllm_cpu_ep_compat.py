@@ -123,7 +123,7 @@ def _symbol(module_name: str, name: str) -> Any:
     except (ImportError, AttributeError) as exc:
         raise RuntimeError(
             f"moe-serve EP compat needs {module_name}.{name}, which this vLLM does not have "
-            f"({exc}); update deployments/vllm_cpu_ep_compat.py for this vLLM version"
+            f"({exc}); update deployments/engine/vllm_cpu_ep_compat.py for this vLLM version"
         ) from exc
 
 
@@ -133,7 +133,7 @@ def _require_params(fn: Callable, qualname: str, names: Sequence[str]) -> inspec
     if missing:
         raise RuntimeError(
             f"moe-serve EP compat relies on parameters {missing} of {qualname}, but its "
-            f"signature is now {signature}; update deployments/vllm_cpu_ep_compat.py"
+            f"signature is now {signature}; update deployments/engine/vllm_cpu_ep_compat.py"
         )
     return signature
 
@@ -245,7 +245,7 @@ apply_patches()
 
 
 class CpuExpertParallelCompat:
-    """``worker_extension_cls="deployments.vllm_cpu_ep_compat.CpuExpertParallelCompat"``.
+    """``worker_extension_cls="deployments.engine.vllm_cpu_ep_compat.CpuExpertParallelCompat"``.
 
     Method names must not exist on vLLM's CPUWorker (vLLM asserts this when injecting).
     """

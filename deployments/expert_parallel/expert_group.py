@@ -33,8 +33,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from deployments.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
-from deployments.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
+from deployments.expert_parallel.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
+from deployments.engine.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta, WaitExpired
 from deployments.stream_deadlines import RequestTimeouts, StreamDeadlines, result_within, wait_expired
 

@@ -28,7 +28,7 @@ from deployments.frontend.responses import ResponseContext
 from deployments.records import EngineFailure, EngineRequest
 from deployments.routing.admission import AdmissionGate, AdmissionLimits
 from deployments.stream_deadlines import RequestTimeouts, bounded
-from deployments.stream_merge import merged as _merged
+from deployments.frontend.stream_merge import merged as _merged
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class OpenAIIngress:
         front: vLLM's render/derender front end (built from the checkpoint when None);
         request_timeouts: the manifest's effective bounds on each wait (None: the CPU defaults)."""
         from deployments.engine_client import as_engine_client
-        from deployments.tokenizer import PromptTokenizer
+        from deployments.frontend.tokenizer import PromptTokenizer
         from monitoring.exporter import MetricsExporter
         from monitoring.request_metrics import RequestMetrics
 

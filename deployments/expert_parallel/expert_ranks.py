@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-CPU_COMPAT_EXTENSION = "deployments.vllm_cpu_ep_compat.CpuExpertParallelCompat"
+CPU_COMPAT_EXTENSION = "deployments.engine.vllm_cpu_ep_compat.CpuExpertParallelCompat"
 
 
 def rank_engine_spec(engine: Mapping[str, Any], *, size: int, rank: int, address: str, rpc_port: int,

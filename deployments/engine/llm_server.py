@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
-from deployments.stream_coalescer import coalesce
+from deployments.engine.stream_coalescer import coalesce
 from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class LLMServer:
         self._metrics = EngineServerMetrics(MetricsExporter(metrics, metrics_backend), pool, rank)
         self._exporting: asyncio.Task | None = None
         if engine_factory is None:
-            from deployments.vllm_engine import VLLMEngine
+            from deployments.engine.vllm_engine import VLLMEngine
 
             engine_factory = functools.partial(VLLMEngine.start, ray_metrics=metrics)
         self._stats = ServerStats(replica_id=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
@@ -227,7 +227,7 @@ class LLMServer:
 
     async def routed_tokens_per_expert(self) -> dict[int, int]:
         """Expert-parallel ranks: tokens routed to the experts this engine holds (see the shim)."""
-        from deployments.expert_ranks import merge_expert_load
+        from deployments.expert_parallel.expert_ranks import merge_expert_load
 
         return merge_expert_load(await self._engine.collective_rpc("routed_tokens_per_expert"))
 

@@ -147,7 +147,7 @@ class VLLMEngine:
         if ray_metrics:
             from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-            from deployments.vllm_scheduler_snapshot import SchedulerSnapshot, snapshot_logger
+            from deployments.engine.vllm_scheduler_snapshot import SchedulerSnapshot, snapshot_logger
 
             scheduler = SchedulerSnapshot()
             stat_loggers = [*(stat_loggers or []), RayPrometheusStatLogger, snapshot_logger(scheduler)]
