@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.soak_analysis import Outcome, Sample, fault_report, memory_growth
+from benchmarks.soak_analysis import MIB, Outcome, Sample, fault_report, memory_growth, rss_outside_arenas
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -165,11 +165,12 @@ def _code(body: dict) -> str | None:
 
 
 # -- the stack's processes -------------------------------------------------------------------------
-def stack_processes() -> dict[int, tuple[str, int]]:
-    """pid -> (label, resident bytes) of every process the stack runs on this machine."""
+def stack_processes() -> tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]]:
+    """pid -> (label, resident bytes) of every process the stack runs on this machine, and the
+    same outside preallocated arenas (soak_analysis.rss_outside_arenas)."""
     import psutil
 
-    out = {}
+    out, outside = {}, {}
     for proc in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
         info = proc.info
         cmdline = info.get("cmdline") or []
@@ -178,20 +179,29 @@ def stack_processes() -> dict[int, tuple[str, int]]:
         if title.startswith("ray::") or name.startswith("VLLM") or name in ("raylet", "gcs_server", "mooncake_master"):
             label = title.split(".", 1)[0] if title.startswith("ray::") else (name if not title.startswith("/") else
                                                                                Path(title).name)
-            if info.get("memory_info") is not None:
-                out[info["pid"]] = (label[:60], info["memory_info"].rss)
-    return out
+            if info.get("memory_info") is None:
+                continue
+            try:
+                rest, _arenas = rss_outside_arenas(Path(f"/proc/{info['pid']}/smaps").read_text())
+            except OSError:  # exited while we looked
+                continue
+            out[info["pid"]] = (label[:60], info["memory_info"].rss)
+            outside[info["pid"]] = (label[:60], rest)
+    return out, outside
 
 
 class Sampler:
     def __init__(self, every_s: float):
-        self.every_s, self.samples = every_s, []
+        self.every_s, self.samples, self.samples_outside_arenas = every_s, [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while True:
-            self.samples.append(Sample(time.monotonic(), stack_processes()))
+            now = time.monotonic()
+            total, outside = stack_processes()
+            self.samples.append(Sample(now, total))
+            self.samples_outside_arenas.append(Sample(now, outside))
             if self._stop.wait(self.every_s):
                 return
 
@@ -253,6 +263,7 @@ def soak(url: str, manifest, args) -> dict:
             _log(f"  {(time.monotonic() - started) / 60:.1f} min: {done} requests, failed: "
                  f"{_failures(load.outcomes) or 'none'}")
     growth = memory_growth(sampler.samples, started + warm_s)
+    outside = {g.pid: g for g in memory_growth(sampler.samples_outside_arenas, started + warm_s)}
     prefill = manifest.pool_with_role(_role("prefill")).name
     deadline = time.monotonic() + 60
     while (leases := pool_stats(manifest.name, prefill).kv_transfer["leases_outstanding"]) and time.monotonic() < deadline:
@@ -262,8 +273,15 @@ def soak(url: str, manifest, args) -> dict:
             "failed": sum(not o.ok for o in outcomes), "failures": _failures(outcomes),
             "leases_outstanding_after": leases, "growth_target_mib": GROWTH_TARGET_MIB,
             "max_growth_mib": max((g.growth_mib for g in growth), default=0.0),
+            "max_growth_outside_arenas_mib": max((g.growth_mib for g in outside.values()), default=0.0),
             "processes": [{"pid": g.pid, "label": g.label, "start_mib": round(g.start_mib, 1),
-                           "end_mib": round(g.end_mib, 1), "growth_mib": round(g.growth_mib, 1)} for g in growth]}
+                           "end_mib": round(g.end_mib, 1), "growth_mib": round(g.growth_mib, 1),
+                           "growth_outside_arenas_mib": round(outside[g.pid].growth_mib, 1) if g.pid in outside else None}
+                          for g in growth],
+            # Every process's resident MiB at each sample (seconds from the start), to see a plateau.
+            "timeline": [{"at_s": round(sample.at_s - started, 1),
+                          "rss_mib": {str(pid): round(rss / MIB, 1) for pid, (_label, rss) in sample.rss.items()}}
+                         for sample in sampler.samples]}
 
 
 def faults(url: str, manifest, args) -> list[dict]:
@@ -346,10 +364,14 @@ def main() -> int:
     s = results["soak"]
     print(f"\nsoak: {s['minutes']:g} min, {s['clients']} closed-loop clients, {s['requests']} requests, "
           f"{s['failed']} failed, prefill leases outstanding after: {s['leases_outstanding_after']}")
-    print(f"resident memory growth after {s['warmup_s']:.0f} s warm-up (target < {GROWTH_TARGET_MIB:g} MiB):\n")
-    print("| process | start MiB | end MiB | growth MiB |\n|---|---:|---:|---:|")
+    print(f"resident memory growth after {s['warmup_s']:.0f} s warm-up (target < {GROWTH_TARGET_MIB:g} MiB); "
+          f"'outside arenas' leaves out the KV cache and pool segments, whose pages become resident as "
+          f"blocks are first used:\n")
+    print("| process | start MiB | end MiB | growth MiB | growth outside arenas MiB |\n|---|---:|---:|---:|---:|")
     for row in s["processes"]:
-        print(f"| {row['label']} ({row['pid']}) | {row['start_mib']:.0f} | {row['end_mib']:.0f} | {row['growth_mib']:+.1f} |")
+        rest = row["growth_outside_arenas_mib"]
+        print(f"| {row['label']} ({row['pid']}) | {row['start_mib']:.0f} | {row['end_mib']:.0f} | "
+              f"{row['growth_mib']:+.1f} | {'-' if rest is None else f'{rest:+.1f}'} |")
     if results["faults"]:
         print("\n| fault | how | affected | lost | slowest request s | first success s | full capacity s |\n"
               "|---|---|---:|---:|---:|---:|---:|")

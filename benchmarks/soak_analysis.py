@@ -9,6 +9,43 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 MIB = 1024 * 1024
+# An unnamed anonymous mapping at least this large is a preallocated arena: vLLM's CPU KV cache
+# (cpu_kvcache_space_gib) or a Mooncake segment (segment_mib). Their pages become resident as
+# blocks are first written, so their RSS climbs to their size under any long load: that is
+# first use, not a leak. Heap, malloc arenas (64 MiB) and smaller buffers stay in the count.
+ARENA_MIN_BYTES = 200 * MIB
+
+
+def rss_outside_arenas(smaps: str, arena_min_bytes: int = ARENA_MIN_BYTES) -> tuple[int, int]:
+    """(resident bytes outside preallocated arenas, resident bytes inside them) from the text of
+    /proc/PID/smaps."""
+    outside = inside = 0
+    size = rss = 0
+    named = False
+
+    def close() -> None:
+        nonlocal outside, inside
+        if size >= arena_min_bytes and not named:
+            inside += rss
+        else:
+            outside += rss
+
+    started = False
+    for line in smaps.splitlines():
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if head and not head.endswith(":") and "-" in head:  # a mapping's header line
+            if started:
+                close()
+            started, size, rss = True, 0, 0
+            fields = line.split(None, 5)
+            named = len(fields) == 6 and bool(fields[5].strip())
+        elif head == "Size:":
+            size = int(line.split()[1]) * 1024
+        elif head == "Rss:":
+            rss = int(line.split()[1]) * 1024
+    if started:
+        close()
+    return outside, inside
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak_analysis import MIB, Outcome, Sample, fault_report, memory_growth
+from benchmarks.soak_analysis import MIB, Outcome, Sample, fault_report, memory_growth, rss_outside_arenas
 
 
 def test_growth_is_median_to_median_after_warm_up_and_ignores_restarted_processes():
@@ -39,3 +39,27 @@ def test_a_fault_counts_requests_overlapping_it_and_only_unretriable_ones_as_los
     assert report.slowest_s == 29.5  # the request without an answer, 10.5 s -> 40 s
     never = fault_report("node removed", "remove_node", outcomes, fault_at_s=10, recovered_at_s=None)
     assert never.full_capacity_s is None and never.affected == 5
+
+
+SMAPS = """\
+55d0c0000000-55d0c0021000 r--p 00000000 fd:01 123 /usr/bin/python3.11
+Size:                132 kB
+Rss:                 132 kB
+55d0c1000000-55d0c9000000 rw-p 00000000 00:00 0 [heap]
+Size:             131072 kB
+Rss:               40000 kB
+7f0000000000-7f0040000000 rw-p 00000000 00:00 0
+Size:            1048576 kB
+Rss:              300000 kB
+7f0040000000-7f0044000000 rw-p 00000000 00:00 0
+Size:              65536 kB
+Rss:               20000 kB
+VmFlags: rd wr mr mw me ac sd
+"""
+
+
+def test_rss_outside_arenas_leaves_out_only_large_unnamed_mappings():
+    outside, inside = rss_outside_arenas(SMAPS)
+    # the 1 GiB anonymous mapping is an arena; the binary, [heap] and the 64 MiB malloc arena are not
+    assert inside == 300000 * 1024
+    assert outside == (132 + 40000 + 20000) * 1024
