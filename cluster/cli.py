@@ -85,6 +85,7 @@ def _print_ready(result, manifest: Manifest) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from cluster.checkpoints import resolve_model_path
     from cluster.local_cluster import ClusterPorts, LocalCluster
+    from cluster.manifest_http import serve_environment
     from cluster.serve_control import connect, deploy
 
     manifest = _load(args.manifest)
@@ -92,7 +93,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ClusterError("this manifest declares no local_cluster; use `moe-serve deploy` on a running cluster")
     check_fit(manifest)
     resolve_model_path(manifest.model.path)  # build the tiny checkpoint before starting anything
-    cluster = LocalCluster(manifest.local_cluster, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port))
+    cluster = LocalCluster(manifest.local_cluster, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port),
+                           environment=serve_environment(manifest.http))
     # Ctrl-C or SIGTERM at any point stops at once: during start-up or the deploy it unwinds
     # through the `finally` below (exit 130); while serving it is the normal way to stop (exit 0).
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -77,8 +77,11 @@ def ensure_auth_token() -> None:
 
 class LocalCluster:
     def __init__(self, spec: LocalClusterSpec, ports: ClusterPorts = ClusterPorts(),
-                 object_store_bytes: int = 256 << 20):
+                 object_store_bytes: int = 256 << 20, environment: dict[str, str] | None = None):
+        """`environment`: variables every Ray process must see from its start (set in this
+        process before the nodes start, which inherit it)."""
         self.spec = spec
+        self.environment = dict(environment or {})
         self.ports = ports
         self._object_store_bytes = object_store_bytes
         self._cluster = None
@@ -95,6 +98,7 @@ class LocalCluster:
     def start(self, progress=print) -> "LocalCluster":
         # Before Ray is imported: Ray reads its auth mode once, at import.
         apply_ray_environment()
+        os.environ.update(self.environment)
         ensure_auth_token()
         from ray.cluster_utils import Cluster
 

@@ -57,6 +57,13 @@ class HTTPSpec(_Strict):
     """Replicas of the OpenAI ingress (tokenization and validation)."""
     auth: AuthSpec = Field(default_factory=AuthSpec)
     """API keys (off by default for the local cluster; the GPU examples require them)."""
+    throughput_optimized: bool = False
+    """Run Ray Serve in its throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every
+    Ray process: gRPC between replicas, the ingress replica also serving HTTP itself on a port in
+    30000-31000, user code on the replicas' main loop). It must be set before Ray starts: `moe-serve
+    up` and `build --kuberay` set it on the nodes they start; on a cluster you start, export it
+    before `ray start`. Measured in BENCHMARKS.md section 10 (colocated: 0.42x -> 0.60x of the
+    plain vLLM server's throughput through the proxy); not yet covered by the integration tests."""
 
     @model_validator(mode="after")
     def _open_only_on_loopback(self) -> "HTTPSpec":
@@ -67,6 +74,11 @@ class HTTPSpec(_Strict):
                              "bind 127.0.0.1, or set http.auth.allow_unauthenticated: true if a gateway "
                              "in front authenticates every caller")
         return self
+
+
+def serve_environment(http: HTTPSpec) -> dict[str, str]:
+    """Variables every Ray process of the cluster needs for these HTTP settings."""
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"} if http.throughput_optimized else {}
 
 
 def _loopback(host: str) -> bool:

@@ -377,3 +377,16 @@ def test_the_rayservice_names_the_ray_version_pyproject_pins():
 def test_malformed_documents_get_problems_not_exceptions(doc):
     problems = validate_rayservice(doc)
     assert problems and all(isinstance(p, str) and p.startswith("$") for p in problems)
+
+
+def test_throughput_optimized_serve_reaches_every_pod_and_only_when_asked():
+    def env_of(doc) -> list[dict]:
+        cluster = doc["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        return [pod["template"]["spec"]["containers"][0].get("env", []) for pod in pods]
+
+    flag = {"name": "RAY_SERVE_THROUGHPUT_OPTIMIZED", "value": "1"}
+    assert all(flag not in env for env in env_of(_rayservice(_data(PD_EP))))
+    data = _data(PD_EP)
+    data["http"]["throughput_optimized"] = True
+    assert all(flag in env for env in env_of(_rayservice(data)))

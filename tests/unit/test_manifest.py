@@ -387,3 +387,12 @@ def test_a_loopback_endpoint_may_stay_open(host):
     data = copy.deepcopy(raw(LOCAL))
     data["http"]["host"] = host
     assert not parse_manifest(data).http.auth.enabled
+
+
+def test_throughput_optimized_serve_is_off_by_default_and_becomes_the_ray_environment():
+    from cluster.manifest_http import serve_environment
+
+    assert serve_environment(parse_manifest(raw(LOCAL)).http) == {}
+    data = copy.deepcopy(raw(LOCAL))
+    data["http"]["throughput_optimized"] = True
+    assert serve_environment(parse_manifest(data).http) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
