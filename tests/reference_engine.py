@@ -32,8 +32,12 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
+    from deployments.engine.vllm_engine import _hf_config, cpu_attention_backend
+
+    # The attention backend our engines ask for on this machine (AMX machines differ for MLA).
+    backend = cpu_attention_backend(_hf_config(args.model_path), args.dtype)
     llm = LLM(model=args.model_path, enforce_eager=True, max_model_len=args.max_model_len, dtype=args.dtype,
-              gpu_memory_utilization=0.15)
+              gpu_memory_utilization=0.15, **({"attention_backend": backend} if backend else {}))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     results: dict[str, dict] = {}
 

@@ -41,6 +41,29 @@ def engine_args_dict(model: dict, engine: dict, model_path: str) -> dict[str, An
     return args
 
 
+def cpu_attention_backend(hf_config: dict, dtype: str) -> str | None:
+    """The attention backend to ask vLLM for on CPU, or None for its own choice.
+
+    vLLM 0.32 picks its AMX MLA backend on any x86 CPU with AMX tiles, but that backend packs the
+    MLA weights only as bf16/fp16/int8: a float32 MLA model (our tiny DeepSeek-V3) fails to load
+    on AMX machines and runs on the others. Asking for the reference CPU MLA backend when the
+    dtype is float32 makes the same manifest run, with the same kernels and block size, on every
+    machine of this kind."""
+    if dtype == "float32" and hf_config.get("kv_lora_rank"):
+        return "CPU_MLA"
+    return None
+
+
+def _hf_config(model_path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):  # a hub id or an unreadable config: let vLLM decide
+        return {}
+
+
 def kv_transfer_config(connector_settings: dict, failure_policy: str):
     from vllm.config import KVTransferConfig
 
@@ -133,6 +156,11 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         fields = engine_args_dict(model, engine, model_path)
+        from vllm.platforms import current_platform
+
+        backend = cpu_attention_backend(_hf_config(model_path), model["dtype"]) if current_platform.is_cpu() else None
+        if backend and "attention_backend" not in fields and "attention_config" not in fields:
+            fields["attention_backend"] = backend
         if kv_connector is not None:
             fields["kv_transfer_config"] = kv_transfer_config(kv_connector, kv_connector["failure_policy"])
             if kv_connector.get("pool"):
