@@ -19,7 +19,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.15)
+    # float32, as every CPU manifest: vLLM 0.32's bf16 CPU kernels die now and then with SIGILL
+    # on AMX machines (2 of 3 runs of this script on one), and this test is about the layout.
+    llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.15,
+              dtype="float32")
     greedy = SamplingParams(temperature=0, max_tokens=8)
     runs = [llm.generate(["Mixture of experts"] * 2, greedy, use_tqdm=False) for _ in range(2)]
     print("RESULT " + json.dumps([[list(o.outputs[0].token_ids) for o in run] for run in runs]), flush=True)
