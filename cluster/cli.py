@@ -17,6 +17,7 @@ exit codes: 0 done; 2 invalid manifest or arguments (the message names the field
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -158,13 +159,34 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     check_fit(manifest)
     connect(args.address)
     try:
-        result = deploy(manifest, progress=_progress, timeout_s=args.timeout)
+        result = _interruptible(deploy, manifest, progress=_progress, timeout_s=args.timeout)
     except KeyboardInterrupt:
         _progress(f"interrupted: application '{manifest.name}' is left as Serve has it; `moe-serve status` "
                   f"shows it, `moe-serve down --app {manifest.name}` removes it")
         raise
     _print_ready(result, manifest)
     return 0
+
+
+def _interruptible(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a worker thread, so that Ctrl-C stops the command at once: a Ray or
+    Serve call can hold the main thread in C code, where Python delivers KeyboardInterrupt only
+    when the call returns (seconds to minutes on a busy cluster)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the main thread as it is
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="moe-serve-command", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)  # a timed join returns to the interpreter, which then runs signal handlers
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -297,5 +319,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `moe-serve` command."""
+    code = main()
+    if code == 130:
+        # Interrupted: exit now. What the command started is stopped by then (or left on purpose,
+        # and said so); Ray's exit handler, a driver leaving a busy cluster, can take many seconds.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -110,3 +110,27 @@ def test_ctrl_c_is_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_status", interrupted)
     assert cli.main(["status"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_a_blocking_command_step_is_interrupted_at_once():
+    """Ctrl-C reaches the main thread while the step (on a worker thread) is still blocked."""
+    import signal
+    import threading
+    import time
+
+    from cluster.cli import _interruptible
+
+    timer = threading.Timer(0.3, signal.raise_signal, args=(signal.SIGINT,))
+    started = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        _interruptible(time.sleep, 30)
+    assert time.monotonic() - started < 5
+
+
+def test_the_steps_result_and_errors_come_back_as_they_are():
+    from cluster.cli import _interruptible
+
+    assert _interruptible(lambda a, b=0: a + b, 1, b=2) == 3
+    with pytest.raises(ValueError, match="boom"):
+        _interruptible(lambda: (_ for _ in ()).throw(ValueError("boom")))
