@@ -48,8 +48,11 @@ def test_ctrl_c_during_deploy_stops_at_once_with_exit_130(stack, tmp_path):
     data["http"].update(port=TEST_HTTP_PORT, route_prefix="/interrupted")
     manifest_path = tmp_path / "interrupted.yaml"
     manifest_path.write_text(yaml.safe_dump(data))
+    # SIGINT as a terminal delivers it: a shell runs background jobs (CI here) with it ignored,
+    # which the child would inherit.
     deploy = subprocess.Popen([MOE_SERVE, "deploy", str(manifest_path), "--address", f"127.0.0.1:{TEST_GCS_PORT}"],
-                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     try:
         deadline = time.monotonic() + 180

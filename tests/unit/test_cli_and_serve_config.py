@@ -120,11 +120,18 @@ def test_a_blocking_command_step_is_interrupted_at_once():
 
     from cluster.cli import _interruptible
 
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell runs background jobs
+    # with SIGINT ignored, and Python then leaves it ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, signal.raise_signal, args=(signal.SIGINT,))
     started = time.monotonic()
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        _interruptible(time.sleep, 30)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            _interruptible(time.sleep, 30)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 5
 
 
