@@ -5,7 +5,11 @@ Started by the engine's own replica (same node: loopback). A subscriber that joi
 engine stored blocks would miss them (routers that are cache-blind after a restart), so once the
 engine's publisher has connected it asks the engine's replay socket for every buffered batch,
 then applies live batches it has not seen (by sequence number); a gap in the sequence (a batch
-dropped) is filled from the replay too. Runs on a daemon thread; `stop()` ends it.
+dropped) is filled from the replay too. A dropped batch shows as a gap only when the next one
+arrives, so after QUIET_CATCH_UP_S without live batches the subscriber also asks the replay for
+anything past the last one it saw (a quiet engine's last batches would otherwise stay missing:
+ZMQ drops what a publisher sends before the subscription reaches it). Runs on a daemon thread;
+`stop()` ends it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 from deployments.routing.engine_cache_mirror import EngineCacheMirror
 
@@ -20,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_MS = 200
+QUIET_CATCH_UP_S = 1.0
 
 
 def free_port() -> int:
@@ -76,6 +82,7 @@ class KVEventSubscriber:
             if not monitor.poll(10_000):
                 logger.warning("kv events: the engine's publisher has not connected to %s yet", self._publish)
             self._replay_from(context, decoder, 0)
+            heard_s = time.monotonic()  # the last live batch, or the last catch-up
             while not self._stopping.is_set():
                 if live.poll(_POLL_MS):
                     _topic, seq, payload = live.recv_multipart()
@@ -83,6 +90,10 @@ class KVEventSubscriber:
                     if seq > self._last_seq + 1:  # dropped (slow join, high-water mark): fill the gap
                         self._replay_from(context, decoder, self._last_seq + 1)
                     self._apply(seq, decoder.decode(payload))
+                    heard_s = time.monotonic()
+                elif time.monotonic() - heard_s >= QUIET_CATCH_UP_S:
+                    self._replay_from(context, decoder, self._last_seq + 1)  # usually: nothing new
+                    heard_s = time.monotonic()
         except Exception:  # never take the replica down: routing falls back to its estimate
             logger.exception("kv events: subscriber stopped")
         finally:
