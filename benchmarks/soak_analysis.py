@@ -9,11 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 MIB = 1024 * 1024
-# An unnamed anonymous mapping at least this large is a preallocated arena: vLLM's CPU KV cache
-# (cpu_kvcache_space_gib) or a Mooncake segment (segment_mib). Their pages become resident as
-# blocks are first written, so their RSS climbs to their size under any long load: that is
-# first use, not a leak. Heap, malloc arenas (64 MiB) and smaller buffers stay in the count.
-ARENA_MIN_BYTES = 200 * MIB
+# A mapping at least this large, anonymous or in shared memory, is a preallocated arena: vLLM's
+# CPU KV cache (cpu_kvcache_space_gib), a Mooncake segment (segment_mib), or the shared-memory
+# ring buffers that carry scheduler output from vLLM's engine core to its workers (/dev/shm/psm_*,
+# 160-240 MiB each, written chunk after chunk round the ring). Their pages become resident as
+# they are first written, so their RSS climbs to their size under any long load: that is first
+# use, not a leak. Heap, malloc arenas (64 MiB), files and smaller buffers stay in the count.
+ARENA_MIN_BYTES = 150 * MIB
+SHARED_MEMORY_PREFIXES = ("/dev/shm/", "/memfd:", "/SYSV")
 
 
 def rss_outside_arenas(smaps: str, arena_min_bytes: int = ARENA_MIN_BYTES) -> tuple[int, int]:
@@ -38,7 +41,8 @@ def rss_outside_arenas(smaps: str, arena_min_bytes: int = ARENA_MIN_BYTES) -> tu
                 close()
             started, size, rss = True, 0, 0
             fields = line.split(None, 5)
-            named = len(fields) == 6 and bool(fields[5].strip())
+            name = fields[5].strip() if len(fields) == 6 else ""
+            named = bool(name) and not name.startswith(SHARED_MEMORY_PREFIXES)
         elif head == "Size:":
             size = int(line.split()[1]) * 1024
         elif head == "Rss:":

@@ -29,6 +29,7 @@ from cluster.kuberay_shape import PodShape, pod_shapes
 from cluster.kuberay_validate import validate_rayservice
 from cluster.manifest import Manifest, parse_manifest
 from cluster.manifest_http import serve_environment
+from cluster.ray_node_env import NODE_ENVIRONMENT
 from cluster.serve_config import APP_BUILDER_IMPORT_PATH
 
 RAY_VERSION = "2.60.0"  # the ray[serve] pin in pyproject.toml (a unit test keeps them equal)
@@ -220,7 +221,7 @@ def _env(manifest: Manifest) -> list[dict]:
     """Every pod gets the same variables: Serve may place an ingress replica on any node with a
     free CPU, and each reads the API keys where it runs."""
     k8s = manifest.kubernetes
-    plain = {**serve_environment(manifest.http), **k8s.env}
+    plain = {**NODE_ENVIRONMENT, **serve_environment(manifest.http), **k8s.env}
     env: list[dict] = [{"name": name, "value": value} for name, value in sorted(plain.items())]
     secrets = dict(sorted(k8s.secret_env.items()))
     if manifest.http.auth.api_keys_env:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cluster.errors import ClusterError
 from cluster.manifest import LocalClusterSpec
+from cluster.ray_node_env import NODE_ENVIRONMENT
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def ray_environment() -> dict[str, str]:
         "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", LOOPBACK),
         # The engine's worker processes are spawned; keep CPU engines from pinning cores.
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        # Engine processes die with the replica that started them (cluster/ray_node_env.py).
+        **NODE_ENVIRONMENT,
     }
 
 

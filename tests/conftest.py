@@ -11,7 +11,7 @@ import pytest
 # CI stops the whole run at 90 minutes (set-up included) and then prints nothing of pytest's
 # summary. Past this budget the remaining tests fail at once, naming the budget, so a run that
 # went slow still ends with a report of what passed, what failed and why.
-BUDGET_S = float(os.environ.get("MOE_SERVE_TEST_BUDGET_S", 75 * 60))
+BUDGET_S = float(os.environ.get("MOE_SERVE_TEST_BUDGET_S", 80 * 60))
 _STARTED = time.monotonic()
 
 

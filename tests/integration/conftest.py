@@ -110,11 +110,13 @@ def deployed_app_config(app_name: str) -> dict | None:
     return app.get("deployed_app_config")
 
 
-def deploy_test_app(data: dict, label: str, progress=lambda message: None):
+def deploy_test_app(data: dict, label: str, progress=lambda message: None, fallback: Path | None = None):
     """Deploy `data` (a manifest dict) on the session's cluster, bounded in time. A deploy that
     fails is removed again, so that one broken module does not starve the next ones of the
-    CPUs and memory its half-started replicas hold."""
-    from cluster.manifest import parse_manifest
+    CPUs and memory its half-started replicas hold; with `fallback` (a manifest file of the same
+    application, e.g. the session's), that one is deployed in its place, so that the modules after
+    a broken one still find the application they share."""
+    from cluster.manifest import load_manifest, parse_manifest
     from cluster.serve_control import deploy
 
     manifest = parse_manifest(data, label)
@@ -122,6 +124,12 @@ def deploy_test_app(data: dict, label: str, progress=lambda message: None):
         deploy(manifest, progress=progress, timeout_s=TEST_DEPLOY_TIMEOUT_S)
     except BaseException:
         remove_test_app(manifest.name)
+        if fallback is not None:
+            _log(f"{label} did not deploy; restoring {fallback.name} for the modules after this one")
+            try:
+                deploy(load_manifest(fallback), progress=progress, timeout_s=TEST_DEPLOY_TIMEOUT_S)
+            except Exception as exc:  # the original failure is the one to report
+                _log(f"restoring {fallback.name} failed too: {exc}")
         raise
     return manifest
 

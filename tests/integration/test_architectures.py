@@ -48,9 +48,15 @@ def _log(message: str) -> None:
     print(f"[architectures] {message}", file=sys.stderr, flush=True)
 
 
+# The completion prompts these tests send (with every chat conversation): the reference runs only
+# these, one at a time, instead of the whole set with its 32 concurrency prompts.
+REFERENCE_PROMPTS = ("short", "question", "long")
+
+
 def _reference(model_path: Path, out: Path, dtype: str) -> dict:
     subprocess.run([sys.executable, str(REPO / "tests" / "reference_engine.py"), str(model_path), str(out),
-                    "--dtype", dtype, "--one-at-a-time"], check=True, cwd=REPO, timeout=600,
+                    "--dtype", dtype, "--one-at-a-time", "--prompts", ",".join(REFERENCE_PROMPTS)],
+                   check=True, cwd=REPO, timeout=600,
                    stdout=subprocess.DEVNULL,
                    stderr=sys.stderr if os.environ.get("MOE_SERVE_TEST_VERBOSE") else subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -120,7 +126,7 @@ def arch(request, stack, tmp_path_factory):
 def _outputs(arch_stack: ArchStack) -> dict[str, list[int]]:
     """Greedy token ids per reference name: short, ~1,260-token long, two chats, streamed long."""
     out = {}
-    for name in ("short", "question", "long"):
+    for name in REFERENCE_PROMPTS:
         body = arch_stack.complete(COMPLETION_PROMPTS[name])
         assert body["prompt_token_ids"] == arch_stack.reference[name]["prompt_token_ids"], name
         out[name] = body["choices"][0]["token_ids"]

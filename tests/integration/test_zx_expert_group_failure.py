@@ -31,8 +31,9 @@ def two_groups(stack):
     data = yaml.safe_load(stack.manifest_path.read_text())
     decode = next(p for p in data["pools"] if p["role"] == "decode")
     decode["replicas"] = 2
-    manifest = deploy_test_app(data, "two-groups manifest")
-    # Not restored afterwards: the modules after this one redeploy from the session manifest.
+    manifest = deploy_test_app(data, "two-groups manifest", fallback=stack.manifest_path)
+    # Not restored afterwards: the prefill-failure module runs on it; the modules after that
+    # redeploy from the session manifest.
     return stack, manifest
 
 
@@ -42,15 +43,17 @@ def _rank_actors():
     return [a for a in list_actors(filters=[("class_name", "=", "LLMServer"), ("state", "=", "ALIVE")])]
 
 
-def _engine_workers() -> int:
-    """vLLM worker processes alive on this machine (one per engine or rank)."""
-    count = 0
+def _vllm_processes() -> dict[str, int]:
+    """vLLM's processes alive on this machine by title (engine cores, workers, DP coordinators)."""
+    counts: dict[str, int] = {}
     for comm in Path("/proc").glob("[0-9]*/comm"):
         try:
-            count += comm.read_text().startswith("VLLM::Worker")
+            title = comm.read_text().strip()
         except OSError:  # exited while we looked
-            pass
-    return count
+            continue
+        if title.startswith("VLLM::"):
+            counts[title] = counts.get(title, 0) + 1
+    return counts
 
 
 def _healthy_decode_replicas(stack) -> int:
@@ -73,6 +76,9 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
     actors = _rank_actors()
     assert len(actors) == 2, actors  # one remote rank (rank 1) per group
     victim = actors[0]
+    processes_before = _vllm_processes()
+    workers = sum(n for title, n in processes_before.items() if title.startswith("VLLM::Worker"))
+    assert workers == 5, processes_before  # 1 prefill + 2 groups x 2 ranks
 
     killed_at = None
 
@@ -140,11 +146,12 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
             time.sleep(2)
         assert _healthy_decode_replicas(stack) == 2
         assert victim.actor_id not in {a.actor_id for a in _rank_actors()}
-        # The broken group's surviving rank did not linger: 1 prefill + 2 groups x 2 ranks.
+        # Nothing of the broken group lingers (its surviving rank, the dead rank's engine core,
+        # workers and DP coordinator): the same vLLM processes as before the kill.
         deadline = time.monotonic() + 30
-        while _engine_workers() != 5 and time.monotonic() < deadline:
+        while _vllm_processes() != processes_before and time.monotonic() < deadline:
             time.sleep(1)
-        assert _engine_workers() == 5
+        assert _vllm_processes() == processes_before
 
     async def after_restart():
         async with httpx.AsyncClient(timeout=300) as client:

@@ -23,7 +23,7 @@ CPU_BLOCK_SIZE_TOKENS = 128
 def mooncake_stack(stack):
     data = yaml.safe_load(stack.manifest_path.read_text())
     data["kv_transfer"]["backend"] = "mooncake"
-    deploy_test_app(data, "mooncake manifest")
+    deploy_test_app(data, "mooncake manifest", fallback=stack.manifest_path)
     return stack
 
 

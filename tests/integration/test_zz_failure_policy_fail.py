@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def fail_policy_stack(stack):
     data = yaml.safe_load(stack.manifest_path.read_text())
     data["kv_transfer"]["failure_policy"] = "fail"
-    manifest = deploy_test_app(data, "fail-policy manifest")
+    manifest = deploy_test_app(data, "fail-policy manifest", fallback=stack.manifest_path)
     return stack, manifest
 
 
