@@ -10,7 +10,6 @@ import asyncio
 import functools
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
 from deployments.engine.stream_coalescer import coalesce
+from deployments.ports import reserve_port
 from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
 
 logger = logging.getLogger(__name__)
@@ -277,9 +277,7 @@ def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
     """The manifest's kv_transfer section plus this replica's serving address (and, with a KV
     pool, the pool's settings with the address this engine's segment is reached at)."""
     host = kv_transfer.get("host") or _node_ip()
-    with socket.socket() as probe:  # a free port now; the engine's worker binds it moments later
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    port = reserve_port(host)  # the engine's worker binds it later (deployments/ports.py)
     settings = {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
                 "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
                 "failure_policy": kv_transfer["failure_policy"], "grant_secret": kv_transfer.get("grant_secret", "")}

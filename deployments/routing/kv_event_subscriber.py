@@ -15,11 +15,11 @@ ZMQ drops what a publisher sends before the subscription reaches it). Runs on a 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
 from deployments.routing.engine_cache_mirror import EngineCacheMirror
+from deployments.ports import reserve_port
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +29,8 @@ QUIET_CATCH_UP_S = 1.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for the engine's event sockets, bound later by vLLM (deployments/ports.py)."""
+    return reserve_port("127.0.0.1")
 
 
 def events_config(publish_port: int, replay_port: int) -> dict:
