@@ -112,19 +112,22 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
 
     outcomes, streams = asyncio.run(scenario())
     failed = [(s, t, body) for s, t, body in outcomes if s != 200]
-    assert failed, "no in-flight request was on the dead group"
     for status, _, body in failed:
         assert status == 503 and body["error"]["code"] == "retry", body
     # The dead group's requests failed within the bound, not after their 1200 tokens.
-    assert max(t for _, t, _ in failed) < bound_s, failed
-    assert len(failed) < len(outcomes), "the surviving group should have finished its requests"
+    assert all(t < bound_s for _, t, _ in failed), failed
     # Streams: every one ends with [DONE]; those on the dead group end with a retriable error
     # event within the bound, the others complete.
     assert all(status == 200 and done for status, _, _, done in streams), streams
     broken = [(t, error) for _, t, error, _ in streams if error is not None]
-    assert broken and len(broken) < len(streams), streams
     for seconds, error in broken:
         assert error["error"]["code"] == "retry" and seconds < bound_s, (seconds, error)
+    # Which group a request lands on is the router's choice (similar prompts may all go to one
+    # group), so the two kinds are counted together: some requests were on the dead group, and
+    # the surviving group finished its own.
+    affected, total = len(failed) + len(broken), len(outcomes) + len(streams)
+    assert affected, "no in-flight request was on the dead group"
+    assert affected < total, f"the surviving group should have finished its requests: {outcomes} {streams}"
 
     # The other group keeps serving while Serve replaces the broken one.
     with httpx.Client(timeout=120) as client:
