@@ -34,6 +34,7 @@ from typing import Any
 
 from deployments.expert_parallel.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
 from deployments.engine.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
+from deployments.expert_parallel.group_start import ray_start_failure, start_local_rank
 from deployments.ports import reserve_port
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta, WaitExpired
 from deployments.stream_deadlines import RequestTimeouts, StreamDeadlines, result_within, wait_expired
@@ -97,7 +98,7 @@ class ExpertParallelGroup:
         self._failure_timeout_s = float(expert_parallel.get("rank_failure_timeout_s", 5.0))
         self._pool = pool_name
         address = _node_ip()
-        rpc_port = _free_port(address)
+        rpc_port = reserve_port(address)  # bound later by the ranks' vLLM processes
 
         def spec(rank: int) -> dict:
             return rank_engine_spec(engine, size=self._size, rank=rank, address=address, rpc_port=rpc_port,
@@ -110,10 +111,10 @@ class ExpertParallelGroup:
         # has joined the handshake it hosts (vLLM allows 5 minutes).
         self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, metrics=metrics,
                                 request_timeouts=request_timeouts) for rank in range(1, self._size)]
-        self._local = _start_local_rank(
+        self._local = start_local_rank(
             lambda: local_server_factory(model, spec(0), model_path, kv_transfer, pool=pool_name, rank=0,
                                          metrics=metrics, request_timeouts=request_timeouts),
-            remote_start_failure or _ray_start_failure(self._remote))
+            remote_start_failure or ray_start_failure(self._remote))
         self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor, cancel_remote or _ray_cancel)
                                                    for actor in self._remote]
         self._in_flight = [0] * self._size
@@ -436,62 +437,6 @@ def _ray_rank_factory(rank_options: dict) -> Callable[..., Any]:
         ).remote(model, engine, model_path, kv_transfer, rank=rank, **server_kwargs)
 
     return start
-
-
-def _start_local_rank(build: Callable[[], Any], remote_start_failure: Callable[[], str | None],
-                      poll_s: float = 1.0) -> Any:
-    """Build rank 0's server while watching the other ranks start. Rank 0's engine waits in its
-    constructor until every rank has joined (vLLM waits for its DP coordinator's READY without a
-    bound): a rank whose engine failed to start (CI: its KV port was taken) left the replica
-    STARTING for good. Rank 0 is therefore built on a thread, and the group's constructor raises
-    as soon as another rank's start failed, so that Serve replaces the replica (its processes go
-    with it: cluster/ray_node_env.py)."""
-    import threading
-
-    built: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            built["server"] = build()
-        except BaseException as exc:  # re-raised on the constructor's thread below
-            built["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True, name="ep-rank0-start")
-    thread.start()
-    while True:
-        thread.join(poll_s)
-        if not thread.is_alive():
-            break
-        failure = remote_start_failure()
-        if failure:
-            raise RuntimeError(f"expert-parallel group could not start: {failure}")
-    if "error" in built:
-        raise built["error"]
-    return built["server"]
-
-
-def _ray_start_failure(actors: list) -> Callable[[], str | None]:
-    """For rank actors: the first whose constructor raised, described; None while none has."""
-    if not actors or not all(hasattr(actor, "__ray_ready__") for actor in actors):
-        return lambda: None  # not Ray actors (tests' fakes): nothing to watch
-    import ray
-
-    ready = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(actors, start=1)}
-
-    def failure() -> str | None:
-        done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=0)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as exc:
-                return f"rank {ready[ref]} failed to start: {type(exc).__name__}: {str(exc)[-600:]}"
-        return None
-
-    return failure
-
-
-def _free_port(host: str) -> int:
-    return reserve_port(host)  # bound later by the ranks' vLLM processes (deployments/ports.py)
 
 
 async def _close(stream: Any) -> None:

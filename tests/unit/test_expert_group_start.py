@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from deployments.expert_parallel.expert_group import _ray_start_failure, _start_local_rank
+from deployments.expert_parallel.group_start import ray_start_failure, start_local_rank
 
 
 def test_rank0_start_fails_as_soon_as_another_rank_failed():
@@ -15,21 +15,21 @@ def test_rank0_start_fails_as_soon_as_another_rank_failed():
     failures = iter([None, None, "rank 1 failed to start: OSError: [Errno 98] Address already in use"])
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="Address already in use"):
-        _start_local_rank(lambda: never.wait(60), lambda: next(failures), poll_s=0.01)
+        start_local_rank(lambda: never.wait(60), lambda: next(failures), poll_s=0.01)
     assert time.monotonic() - started < 5  # not rank 0's own (unbounded) wait
     never.set()
 
 
 def test_rank0_is_returned_once_built_and_its_own_error_is_raised():
-    assert _start_local_rank(lambda: "server", lambda: None, poll_s=0.01) == "server"
+    assert start_local_rank(lambda: "server", lambda: None, poll_s=0.01) == "server"
 
     def broken():
         raise ValueError("bad engine args")
 
     with pytest.raises(ValueError, match="bad engine args"):
-        _start_local_rank(broken, lambda: None, poll_s=0.01)
+        start_local_rank(broken, lambda: None, poll_s=0.01)
 
 
 def test_fakes_that_are_not_ray_actors_are_not_watched():
-    assert _ray_start_failure([object(), object()])() is None
-    assert _ray_start_failure([])() is None
+    assert ray_start_failure([object(), object()])() is None
+    assert ray_start_failure([])() is None
