@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
 from kv_transfer.errors import KVTransferError
+from kv_transfer.pool.checksum import crc32
 
 MAGIC = b"MSKV"
 VERSION = 1
@@ -60,7 +60,7 @@ def token_digest(token_ids: Sequence[int]) -> bytes:
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:
-    return zlib.crc32(payload) & 0xFFFFFFFF
+    return crc32(payload)  # keeps the GIL: see checksum.py
 
 
 def encode_header(key: str, tokens: bytes, layout: BlockLayout, checksum: int) -> bytes:

@@ -1,0 +1,170 @@
+"""A pool load against a TCP pull of the same KV blocks, with the GIL free and with it busy.
+
+    .venv/bin/python -m benchmarks.bench_pool_load --rounds 7
+
+Why the GIL: pool loads and KV pulls run on connector threads inside the engine process,
+whose main thread (vLLM's busy loop) holds the GIL most of the time. Every C call on such a
+thread that lets go of the GIL waits up to one switch interval (5 ms) to get it back, so what
+matters on a serving engine is how many hand-offs a load makes, not only its bytes/s.
+`--busy` runs a pure-Python spinning thread beside the transfers to stand for that loop.
+
+Methods (one process, real Mooncake master; each moves the same 32 blocks of 256 KiB in
+8 pages of 32 KiB, the tiny model's CPU block, into the pages of a second "engine"):
+- pool_load: our pool worker (`PoolWorker.load`: batched Mooncake get into a staging buffer,
+  header and CRC checked per block, scattered into the pages), checksums keeping the GIL
+  (`kv_transfer/pool/checksum.py`);
+- pool_load_zlib: the same with `zlib.crc32`, which releases the GIL for every block (what
+  the pool did before);
+- tcp_pull: our TCP transport (`kv_transfer/transport/tcp`: server thread, one fetch of the
+  blocks' pages, as decode pulls a lease).
+Each round runs every method once per setting (alternating); the table is the median.
+Writes benchmarks/results/pool_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCKS, LAYER_PAGES, PAGE_BYTES = 32, 8, 32 * 1024  # 8 x 32 KiB = one 256 KiB block
+
+
+class _Pages:
+    """The connector's page view (`KVPages`) over plain arrays: one array per layer."""
+
+    def __init__(self, fill: bool):
+        rng = np.random.default_rng(0)
+        self.layers = [rng.integers(0, 256, (BLOCKS, PAGE_BYTES), dtype=np.uint8) if fill
+                       else np.zeros((BLOCKS, PAGE_BYTES), np.uint8) for _ in range(LAYER_PAGES)]
+        self.num_layers, self.page_bytes = LAYER_PAGES, PAGE_BYTES
+
+    def pages(self, block_ids: list[int]) -> list[memoryview]:
+        return [memoryview(layer[b]) for b in block_ids for layer in self.layers]
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(layer.ctypes.data, layer.nbytes) for layer in self.layers]
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer[:] = 0
+
+
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(2000))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default=str(RESULTS / "pool_load.json"))
+    args = parser.parse_args()
+
+    from cluster.kv_pool_service import KVPoolMaster
+    from kv_transfer.pool import objects
+    from kv_transfer.pool.checksum import holds_gil
+    from kv_transfer.pool.health import PoolHealth
+    from kv_transfer.pool.keys import KeySpace
+    from kv_transfer.pool.mooncake_store import MooncakePoolStore
+    from kv_transfer.pool.objects import token_digest
+    from kv_transfer.pool.records import PoolBlock
+    from kv_transfer.pool.store import PoolSettings
+    from kv_transfer.pool.worker_tier import PoolWorker
+    from kv_transfer.transport import get_backend
+
+    master = KVPoolMaster("bench-pool-load")
+    try:
+        deadline = time.monotonic() + 30
+        while not master.ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        address = master.address()
+        settings = PoolSettings(master_address=address["master_address"], metadata_url=address["metadata_url"],
+                                segment_bytes=256 << 20, key_prefix="bench")
+
+        def worker(segment: bool, pages: _Pages) -> PoolWorker:
+            store = MooncakePoolStore(settings if segment else PoolSettings(**{**settings.to_dict(), "segment_bytes": 0}))
+            w = PoolWorker(lambda: store, KeySpace("bench", "pool-load"), 0, PoolHealth(5.0), 64 << 20)
+            w.attach(pages)
+            return w
+
+        source, sink = _Pages(fill=True), _Pages(fill=False)
+        writer, reader = worker(True, source), worker(False, sink)
+        blocks = [PoolBlock(os.urandom(16), token_digest([i]), i) for i in range(BLOCKS)]
+        if writer.store(blocks) != BLOCKS:
+            raise RuntimeError(f"storing {BLOCKS} blocks in the pool failed: {writer.snapshot()}")
+
+        tcp = get_backend("tcp")
+        server = tcp.server("127.0.0.1", 0, source, lambda rid: None, lambda: {})
+        server.start()
+        client = tcp.client()
+        client.register_sink(sink)
+        host, port = server.address
+        ids = list(range(BLOCKS))
+
+        def pool_load(checksum) -> None:
+            objects.crc32 = checksum
+            reader.load(blocks)
+
+        import zlib
+        from kv_transfer.pool.checksum import crc32 as gil_crc32
+        methods = {"pool_load": lambda: pool_load(gil_crc32),
+                   "pool_load_zlib": lambda: pool_load(lambda data: zlib.crc32(data) & 0xFFFFFFFF),
+                   "tcp_pull": lambda: client.fetch(host, port, "bench", ids, sink.pages(ids), 60.0)}
+        nbytes = BLOCKS * LAYER_PAGES * PAGE_BYTES
+        for name, run in methods.items():  # warm-up and the bytes check
+            sink.clear()
+            run()
+            if not all(np.array_equal(a, b) for a, b in zip(source.layers, sink.layers)):
+                raise RuntimeError(f"{name}: the blocks that arrived differ from the source")
+        seconds = {(name, busy): [] for name in methods for busy in (False, True)}
+        for index in range(args.rounds):
+            for busy in (False, True):
+                stop = threading.Event()
+                spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+                if busy:
+                    spinner.start()
+                for name, run in methods.items():
+                    started = time.perf_counter()
+                    run()
+                    seconds[(name, busy)].append(time.perf_counter() - started)
+                stop.set()
+                if busy:
+                    spinner.join()
+            print(f"[bench] round {index + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        objects.crc32 = gil_crc32
+        client.close()
+        server.stop()
+        reader.snapshot()
+    finally:
+        master.stop()
+
+    rows = []
+    for (name, busy), values in seconds.items():
+        median = statistics.median(values)
+        rows.append({"method": name, "gil_busy": busy, "ms": median * 1e3, "mb_per_s": nbytes / median / 1e6})
+    tcp_rate = {r["gil_busy"]: r["mb_per_s"] for r in rows if r["method"] == "tcp_pull"}
+    print(f"\n{BLOCKS} blocks of {LAYER_PAGES * PAGE_BYTES // 1024} KiB ({nbytes / 1e6:.1f} MB), median of "
+          f"{args.rounds} rounds; checksums keep the GIL: {holds_gil()}\n")
+    print("| method | GIL | ms | MB/s | x tcp_pull |\n|---|---|---:|---:|---:|")
+    for r in rows:
+        r["x_tcp_pull"] = r["mb_per_s"] / tcp_rate[r["gil_busy"]]
+        print(f"| {r['method']} | {'busy' if r['gil_busy'] else 'free'} | {r['ms']:.1f} | {r['mb_per_s']:.0f} "
+              f"| {r['x_tcp_pull']:.2f} |")
+    out = Path(args.out)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
