@@ -1,17 +1,23 @@
 """The KV pool on a multi-turn trace: pool on vs off, side by side on one cluster.
 
-    .venv/bin/python -m benchmarks.bench_kv_pool --rounds 2
+    .venv/bin/python -m benchmarks.bench_kv_pool --rounds 2                      # P/D, 32 conversations
+    .venv/bin/python -m benchmarks.bench_kv_pool --layout colocated --conversations 8 --rounds 3
 
-Two applications of the default manifest (P/D, 2-rank expert-parallel decode) run at once on
-one local cluster: `pool-off` is the default manifest without its KV pool (prefill's own
-prefix cache, decode's off: what each engine keeps in its own memory), `pool-on` with it. Rounds alternate between them (off, on, off,
-on, ...), so both see the same machine. The trace: conversations that share one system prompt,
-each turn sending the whole history (system prompt, earlier messages and the model's answers,
-as token ids, as a chat front end does) plus a new user message, with think time between
-turns. Reported: TTFT p50/p90 of turns 2+, throughput, and how many prompt tokens were loaded
-from the pool against how many were reusable (what the cluster had already computed), plus
-the speed of a pool load against a TCP pull of the same KV (decode's counters, bytes/s).
-Writes benchmarks/results/kv_pool.json.
+Two applications of one manifest run at once on one local cluster: `pool-off` without its KV
+pool (each engine keeps KV only in its own memory: prefill's prefix cache, decode's off),
+`pool-on` with it. `--layout pd` is the default manifest (P/D, 2-rank expert-parallel decode),
+`--layout colocated` the colocated one. Rounds alternate between them (off, on, off, on, ...),
+so both see the same machine. The trace: conversations that share one system prompt, each
+turn sending the whole history (system prompt, earlier messages and the model's answers, as
+token ids, as a chat front end does) plus a new user message of a random length around
+--message-tokens, with think time between turns. The engines that compute prompts (prefill,
+colocated) are capped at --engine-blocks blocks, so the trace's working set outgrows engine
+memory as it does on a loaded GPU cluster; decode keeps its KV space (its prefix cache is off).
+
+Reported: TTFT p50/p90 of turns 2+, throughput, how many prompt tokens were loaded from the
+pool against how many were reusable (what the cluster had already computed), and, under P/D,
+decode's KV intake speed: its pool loads (pool on) against its TCP pulls of the same prompts
+(pool off), from the connectors' counters. Writes benchmarks/results/kv_pool[-colocated].json.
 """
 
 from __future__ import annotations
@@ -38,15 +44,19 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int) -> dict:
-    data = yaml.safe_load((REPO / "manifests" / "local.yaml").read_text())
+MANIFESTS = {"pd": "local.yaml", "colocated": "local-colocated.yaml"}
+PROMPT_POOLS = {"pd": "prefill", "colocated": "engine"}  # the pool whose engine computes prompts
+
+
+def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, layout: str) -> dict:
+    data = yaml.safe_load((REPO / "manifests" / MANIFESTS[layout]).read_text())
     data["name"] = name
     data["model"]["max_model_len"] = 4096
     data["http"]["route_prefix"] = f"/{name}"
     data["http"]["port"] = HTTP_PORT
     for spec in data["pools"]:
         spec["engine"]["cpu_kvcache_space_gib"] = engine_kv_gib
-        if engine_blocks:
+        if engine_blocks and spec["role"] != "decode":
             # Cap each engine's KV cache (vLLM's num_gpu_blocks_override), so that the trace's
             # working set outgrows engine memory as it does on a loaded GPU cluster.
             spec["engine"]["extra_args"] = {"num_gpu_blocks_override": engine_blocks}
@@ -57,8 +67,13 @@ def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int) 
 def make_conversations(args, seed: int) -> list[dict]:
     rng = random.Random(seed)
     system = [rng.randrange(*VOCAB) for _ in range(args.system_tokens)]
-    return [{"system": system,
-             "messages": [[rng.randrange(*VOCAB) for _ in range(args.message_tokens)] for _ in range(args.turns)]}
+    def message() -> list[int]:
+        # Lengths vary (half to 1.5x): with every length a multiple of the block size, each
+        # answer would end one token short of a full block and decode would never store one.
+        length = rng.randint(args.message_tokens // 2, args.message_tokens * 3 // 2)
+        return [rng.randrange(*VOCAB) for _ in range(length)]
+
+    return [{"system": system, "messages": [message() for _ in range(args.turns)]}
             for _ in range(args.conversations)]
 
 
@@ -102,24 +117,24 @@ async def run_round(url: str, model: str, conversations: list[dict], args) -> tu
     return [t for turns in per_conv for t in turns], time.perf_counter() - started
 
 
-def pool_counters(app: str) -> dict:
+def pool_counters(app: str, pools: list[str]) -> dict:
     from ray import serve
 
     out = {}
-    for pool in ("prefill", "decode"):
+    for pool in pools:
         kv = serve.get_deployment_handle(pool, app_name=app).stats.remote().result(timeout_s=30).kv_transfer
         out[pool] = {k: v for k, v in kv.items() if isinstance(v, (int, float))}
     return out
 
 
-def summarize(turns: list[dict], seconds: float, before: dict, after: dict, block_tokens: int) -> dict:
+def summarize(turns: list[dict], seconds: float, before: dict, after: dict, block_tokens: int, prompt_pool: str) -> dict:
     later = [t for t in turns if t["turn"] > 0]
     ttft = sorted(t["ttft_s"] * 1e3 for t in later if t["ttft_s"] is not None)
     delta = {pool: {k: after[pool].get(k, 0) - before[pool].get(k, 0) for k in after[pool]} for pool in after}
     prompt_tokens = sum(t["prompt_tokens"] for t in turns)
     reusable = sum((t["reusable_tokens"] // block_tokens) * block_tokens for t in later)
-    loaded = delta["prefill"].get("pool_blocks_loaded_total", 0) * block_tokens
-    d = delta["decode"]
+    loaded = delta[prompt_pool].get("pool_blocks_loaded_total", 0) * block_tokens
+    d = delta.get("decode", {})
     pool_bps = d.get("pool_bytes_loaded_total", 0) / d["pool_load_seconds_total"] if d.get("pool_load_seconds_total") else None
     tcp_bps = d.get("bytes_loaded_total", 0) / d["pull_seconds_total"] if d.get("pull_seconds_total") else None
     return {"ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
@@ -132,17 +147,18 @@ def summarize(turns: list[dict], seconds: float, before: dict, after: dict, bloc
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per application (alternating)")
+    parser.add_argument("--layout", choices=sorted(MANIFESTS), default="pd")
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=1024)
-    parser.add_argument("--message-tokens", type=int, default=256)
+    parser.add_argument("--message-tokens", type=int, default=256, help="mean; each message is 0.5x-1.5x")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--think-s", type=float, default=2.0)
     parser.add_argument("--stagger-s", type=float, default=1.0, help="between conversation starts")
     parser.add_argument("--engine-kv-gib", type=int, default=1)
     parser.add_argument("--engine-blocks", type=int, default=256,
-                        help="cap each engine's KV cache at this many 128-token blocks (0: no cap)")
-    parser.add_argument("--out", default=str(RESULTS / "kv_pool.json"))
+                        help="cap the prefill (colocated) engines' KV cache at this many 128-token blocks (0: no cap)")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/kv_pool[-colocated].json")
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -150,8 +166,12 @@ def main() -> int:
     from cluster.manifest import parse_manifest
     from cluster.serve_control import connect, deploy
 
-    apps = {name: parse_manifest(app_manifest(name, name == "pool-on", args.engine_kv_gib, args.engine_blocks), name)
+    args.out = args.out or str(RESULTS / ("kv_pool.json" if args.layout == "pd" else f"kv_pool-{args.layout}.json"))
+    apps = {name: parse_manifest(app_manifest(name, name == "pool-on", args.engine_kv_gib, args.engine_blocks,
+                                              args.layout), name)
             for name in ("pool-off", "pool-on")}
+    pools = [pool.name for pool in apps["pool-off"].pools]
+    prompt_pool = PROMPT_POOLS[args.layout]
     block_tokens = 128  # vLLM's CPU default
     cluster = LocalCluster(apps["pool-off"].local_cluster).start(progress=_log)
     results: dict[str, list[dict]] = {name: [] for name in apps}
@@ -162,10 +182,10 @@ def main() -> int:
             for name, manifest in apps.items():
                 # A fresh trace each round (other random ids): nothing of an earlier round is reusable.
                 conversations = make_conversations(args, seed=index)
-                before = pool_counters(name)
+                before = pool_counters(name, pools)
                 turns, seconds = asyncio.run(run_round(urls[name], manifest.model.name, conversations, args))
                 time.sleep(2)
-                summary = summarize(turns, seconds, before, pool_counters(name), block_tokens)
+                summary = summarize(turns, seconds, before, pool_counters(name, pools), block_tokens, prompt_pool)
                 results[name].append(summary)
                 _log(f"round {index + 1} {name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, "
                      f"{summary['requests_per_s']:.2f} req/s, loaded {summary['share_loaded']:.0%} of reusable")
@@ -188,12 +208,12 @@ def main() -> int:
             ("requests/s", "requests_per_s", "{:.2f}"), ("output tokens/s", "output_tokens_per_s", "{:.0f}"),
             ("prompt tokens sent", "prompt_tokens", "{:,.0f}"),
             ("reusable prompt tokens (turns 2+)", "reusable_tokens_turns_2plus", "{:,.0f}"),
-            ("prefill tokens loaded from the pool", "prefill_tokens_loaded_from_pool", "{:,.0f}"),
+            (f"{prompt_pool} tokens loaded from the pool", "prefill_tokens_loaded_from_pool", "{:,.0f}"),
             ("share of reusable loaded", "share_loaded", "{:.0%}")]
     working_set = args.conversations * (args.system_tokens + args.turns * (args.message_tokens + args.output_tokens))
-    print(f"\ntrace: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
+    print(f"\nlayout {args.layout}; trace: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
           f"tokens, {args.message_tokens}-token messages, {args.output_tokens} output tokens, think {args.think_s:g} s; "
-          f"engine KV {args.engine_blocks * 128 if args.engine_blocks else 'up to ' + str(args.engine_kv_gib) + ' GiB'} "
+          f"{prompt_pool} KV {args.engine_blocks * 128 if args.engine_blocks else 'up to ' + str(args.engine_kv_gib) + ' GiB'} "
           f"tokens each, working set ~{working_set:,} tokens; median of {args.rounds} rounds per side, alternating\n")
     print("| metric | pool off | pool on | on / off |\n|---|---:|---:|---:|")
     table = {}
@@ -202,10 +222,13 @@ def main() -> int:
         table[label] = {"pool_off": off, "pool_on": on}
         ratio = on / off if off else float("nan")
         print(f"| {label} | {fmt.format(off)} | {fmt.format(on)} | {ratio:.2f} |")
-    pool_bps, tcp_bps = med("pool-on", "decode_pool_load_bytes_per_s"), med("pool-on", "decode_tcp_pull_bytes_per_s")
-    print(f"\ndecode, pool-on: pool loads {pool_bps / 1e6:.0f} MB/s vs TCP pulls {tcp_bps / 1e6:.0f} MB/s "
-          f"({pool_bps / tcp_bps:.2f}x) over the same run")
-    table["decode pool load vs tcp pull (bytes/s)"] = {"pool": pool_bps, "tcp": tcp_bps}
+    if args.layout == "pd":
+        # The same prompts' KV reaches decode from the pool (pool on) or over TCP from the
+        # prefill's lease (pool off): the fair comparison of the two ways in.
+        pool_bps, tcp_bps = med("pool-on", "decode_pool_load_bytes_per_s"), med("pool-off", "decode_tcp_pull_bytes_per_s")
+        print(f"\ndecode KV intake: pool loads {pool_bps / 1e6:.0f} MB/s (pool on) vs TCP pulls "
+              f"{tcp_bps / 1e6:.0f} MB/s (pool off) = {pool_bps / tcp_bps:.2f}x")
+        table["decode pool load (on) vs tcp pull (off), bytes/s"] = {"pool": pool_bps, "tcp": tcp_bps}
     out = Path(args.out)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},

@@ -52,6 +52,10 @@ class RoutingSpec(_Strict):
     session_slack: Annotated[float, Field(ge=0)] = 4
     """prefix: a session stays on its replica while that one carries at most this many requests
     more than the least loaded."""
+    pool_hit_value: Annotated[float, Field(ge=0, le=1)] = 0.8
+    """prefix, with kv_pool enabled: what a prompt block the KV pool holds is worth on a replica
+    that does not hold it, as a fraction of a local cache hit (loading it beats computing it but
+    is not free). 0 ignores the pool; 1 treats a pool hit as a local one."""
     kv_events: bool = True
     """prefix: each engine publishes its prefix cache's stores and evictions (vLLM KV events) and
     its replica reports the cache to the routers, so routing sees what engines really hold;
@@ -59,9 +63,13 @@ class RoutingSpec(_Strict):
     stats_period_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     """How often each replica reports its engine's queue, KV usage and epoch to the routers."""
 
-    def router_kwargs(self, pool: str, block_size: int, capacity_blocks: int, metrics: bool = True) -> dict:
+    def router_kwargs(self, pool: str, block_size: int, capacity_blocks: int, metrics: bool = True,
+                      pool_capacity_blocks: int = 0) -> dict:
+        """`pool_capacity_blocks`: the KV pool's capacity in blocks of this pool's size (0: no pool)."""
         options = {"policy": self.policy, "block_size": block_size, "pool": pool, "metrics": metrics}
         if self.policy == "prefix":
             options.update(capacity_blocks=capacity_blocks, imbalance_abs=self.imbalance_abs,
                            imbalance_rel=self.imbalance_rel, session_slack=self.session_slack)
+            if pool_capacity_blocks > 0 and self.pool_hit_value > 0:
+                options.update(pool_capacity_blocks=pool_capacity_blocks, pool_hit_value=self.pool_hit_value)
         return options

@@ -127,6 +127,16 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
                 _autoscaling_line(manifest, warnings), errors, _kv_pool_line(manifest, facts))
 
 
+def kv_pool_capacity_tokens(manifest: Manifest, facts: ModelFacts | None) -> int:
+    """Tokens of the model the KV pool holds at the manifest's replica counts (0: no pool, or the
+    model's KV size per token is unknown)."""
+    spec = manifest.kv_pool
+    if not spec.enabled or facts is None or facts.kv_bytes_per_token <= 0:
+        return 0
+    engines = sum(pool.replicas * pool.ranks_per_replica for pool in manifest.pools)
+    return engines * (spec.segment_mib << 20) // facts.kv_bytes_per_token
+
+
 def _kv_pool_line(manifest: Manifest, facts: ModelFacts | None) -> str | None:
     """Capacity of the KV pool: every engine (rank) contributes segment_mib on its node; with
     autoscaling the pool grows and shrinks with the engines, so the range is shown."""

@@ -168,7 +168,8 @@ def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict
 
     block_size = pool.engine.block_size or DEFAULT_BLOCK_SIZE
     kwargs = pool.routing.router_kwargs(pool.name, block_size, engine_capacity_blocks(manifest, pool, model_path, block_size),
-                                        metrics=manifest.observability.metrics)
+                                        metrics=manifest.observability.metrics,
+                                        pool_capacity_blocks=kv_pool_capacity_blocks(manifest, model_path, block_size))
     return {"request_router_config": RequestRouterConfig(
         request_router_class=PolicyRequestRouter, request_router_kwargs=kwargs,
         request_routing_stats_period_s=pool.routing.stats_period_s)}
@@ -177,6 +178,21 @@ def routing_options(manifest: Manifest, pool: PoolSpec, model_path: str) -> dict
 def follows_kv_events(pool: PoolSpec) -> bool:
     """Engines publish their cache for the prefix router (a cache that is off has nothing to say)."""
     return pool.routing.policy == "prefix" and pool.routing.kv_events and pool.engine.enable_prefix_caching
+
+
+def kv_pool_capacity_blocks(manifest: Manifest, model_path: str, block_size: int) -> int:
+    """Blocks the KV pool holds (the prefix router's estimate of what any replica can load); 0
+    without a pool."""
+    if not manifest.kv_pool.enabled:
+        return 0
+    from pathlib import Path
+
+    from cluster.model_facts import read_model_facts
+    from cluster.plan import kv_pool_capacity_tokens
+
+    facts = read_model_facts(Path(model_path), manifest.model.dtype, model_name=manifest.model.name,
+                             quantization=manifest.model.quantization)
+    return kv_pool_capacity_tokens(manifest, facts) // block_size
 
 
 def engine_capacity_blocks(manifest: Manifest, pool: PoolSpec, model_path: str, block_size: int) -> int:

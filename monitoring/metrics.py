@@ -86,7 +86,7 @@ PROMPT_CACHED_TOKENS = MetricDef("moe_serve_prompt_cached_tokens_total", Kind.co
                                  "KV pool; in P/D the prefill's count): the cache hits routing aims for.", ("route",))
 ROUTING_DECISIONS = MetricDef("moe_serve_routing_decisions_total", Kind.counter,
                               "Replica choices of our request routers, by pool, policy and reason (prefix, "
-                              "load_gate, session, least_loaded, round_robin, only_replica).",
+                              "load_gate, session, least_loaded, pool_prefix, round_robin, only_replica).",
                               ("pool", "policy", "reason"))
 ROUTING_PROMPT_BLOCKS = MetricDef("moe_serve_routing_prompt_blocks_total", Kind.counter,
                                   "Full prompt blocks of routed requests, and of those the blocks the router "

@@ -11,6 +11,12 @@ prefix        cache- and load-aware. Rule, in order:
   3. otherwise the highest score wins, score = w_prefix * hit_fraction - w_kv * kv_usage
      - w_queue * load / max_load (llm-d's precise scorer weights: 2, 1, 1); ties go to the
      lower load, then in turn.
+  With a KV pool (`pool_capacity_blocks` > 0) a prefix the pool holds can be loaded by any
+  replica instead of computed, so in rule 3 it counts on every replica as `pool_hit_value` of a
+  local hit (a load is cheaper than compute, not free): affinity then only pays for what a
+  replica holds beyond the pool, and load decides sooner. What the pool holds is estimated
+  like a replica's cache: every prompt routed and every block an engine reported (engines
+  store what they computed when a request ends), least recent evicted first past its capacity.
   Load = requests this router has in flight there + the queue the replica last reported, if that
   report is younger than `stale_after_s` (a stale report counts as unknown, not as idle).
   What a replica holds: its engine's own report (`ReplicaState.resident`, from vLLM's KV cache
@@ -27,6 +33,8 @@ from dataclasses import dataclass
 
 from deployments.routing.prefix_index import PrefixIndex
 from deployments.routing.state import ReplicaState, RouteDecision, RoutingRequest
+
+POOL = "<kv pool>"  # the pool's entry in its PrefixIndex
 
 
 def replica_load(replica: ReplicaState, now_s: float, stale_after_s: float) -> float:
@@ -81,8 +89,11 @@ class PrefixAware:
 
     def __init__(self, capacity_blocks: int = 4096, weights: PrefixWeights = PrefixWeights(),
                  imbalance_abs: float = 8, imbalance_rel: float = 1.5, session_slack: float = 4,
-                 stale_after_s: float = 30.0, max_sessions: int = 100_000, **_: object):
+                 stale_after_s: float = 30.0, max_sessions: int = 100_000, pool_capacity_blocks: int = 0,
+                 pool_hit_value: float = 0.8, **_: object):
         self.index = PrefixIndex(capacity_blocks)
+        self.pool = PrefixIndex(pool_capacity_blocks) if pool_capacity_blocks > 0 else None
+        self.pool_hit_value = pool_hit_value
         self.weights = weights
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
@@ -102,11 +113,16 @@ class PrefixAware:
                 # A fresh report from the engine's KV events: exact where the estimate guessed.
                 self._reported[replica.replica_id] = replica.reported_at_s
                 self.index.replace(replica.replica_id, replica.resident)
+                if self.pool is not None:
+                    self.pool.record_routed(POOL, replica.resident)
         loads = {r.replica_id: replica_load(r, now_s, self.stale_after_s) for r in replicas}
         hits = {r.replica_id: self.index.hit_blocks(r.replica_id, request.block_hashes) for r in replicas}
+        pooled = self.pool.hit_blocks(POOL, request.block_hashes) if self.pool is not None else 0
         decision = (self._load_gate(replicas, loads, hits) or self._session(request, loads, hits)
-                    or self._best_score(request, replicas, loads, hits, now_s))
+                    or self._best_score(request, replicas, loads, hits, pooled, now_s))
         self.index.record_routed(decision.replica_id, request.block_hashes)
+        if self.pool is not None:
+            self.pool.record_routed(POOL, request.block_hashes)
         if request.session_id is not None:
             self._sessions[request.session_id] = decision.replica_id
             self._sessions.move_to_end(request.session_id)
@@ -127,12 +143,13 @@ class PrefixAware:
             return RouteDecision(pinned, "session", hits[pinned])
         return None
 
-    def _best_score(self, request, replicas, loads, hits, now_s: float) -> RouteDecision:
+    def _best_score(self, request, replicas, loads, hits, pooled: int, now_s: float) -> RouteDecision:
         max_load = max(max(loads.values()), 1.0)
         scores = {}
         for replica in replicas:
             rid = replica.replica_id
-            hit_fraction = hits[rid] / request.blocks if request.blocks else 0.0
+            cached = hits[rid] + self.pool_hit_value * max(0, pooled - hits[rid])
+            hit_fraction = cached / request.blocks if request.blocks else 0.0
             scores[rid] = (self.weights.prefix * hit_fraction
                            - self.weights.kv * fresh_kv_usage(replica, now_s, self.stale_after_s)
                            - self.weights.queue * loads[rid] / max_load)
@@ -141,7 +158,8 @@ class PrefixAware:
         tied = [rid for rid in tied if loads[rid] == loads[tied[0]]]
         chosen = tied[self._turn % len(tied)]
         self._turn += 1
-        reason = "prefix" if hits[chosen] > 0 else ("only_replica" if len(replicas) == 1 else "least_loaded")
+        reason = ("prefix" if hits[chosen] > 0 else "only_replica" if len(replicas) == 1
+                  else "pool_prefix" if pooled > 0 else "least_loaded")
         return RouteDecision(chosen, reason, hits[chosen], scores)
 
 

@@ -40,6 +40,6 @@ class RoutingRequest:
 @dataclass(frozen=True)
 class RouteDecision:
     replica_id: str
-    reason: str  # round_robin | least_loaded | prefix | session | load_gate | only_replica
+    reason: str  # round_robin | least_loaded | prefix | pool_prefix | session | load_gate | only_replica
     expected_hit_blocks: int = 0
     scores: dict[str, float] = field(default_factory=dict)

@@ -319,3 +319,22 @@ def test_plan_shows_the_kv_pool_capacity_in_tokens_of_the_model():
     off = parse_manifest({**yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "local.yaml")
                                           .read_text()), "kv_pool": {"enabled": False}})
     assert make_plan(off, facts).kv_pool is None
+
+
+def test_the_prefix_routers_learn_the_kv_pool_capacity_in_their_blocks():
+    from cluster.plan import kv_pool_capacity_tokens
+
+    manifest = load_manifest(Path(__file__).resolve().parents[2] / "manifests" / "local.yaml")
+    facts = ModelFacts(weight_bytes=1 << 20, num_layers=4, kv_bytes_per_token=2048)
+    tokens = kv_pool_capacity_tokens(manifest, facts)
+    assert tokens == 3 * 256 * 2**20 // 2048
+    prefill = next(p for p in manifest.pools if p.name == "prefill")
+    kwargs = prefill.routing.router_kwargs("prefill", 128, 4096, pool_capacity_blocks=tokens // 128)
+    assert (kwargs["policy"], kwargs["pool_capacity_blocks"], kwargs["pool_hit_value"]) == ("prefix", tokens // 128, 0.8)
+    # No pool, or a pool hit valued at 0: the router ignores the pool.
+    assert "pool_capacity_blocks" not in prefill.routing.router_kwargs("prefill", 128, 4096)
+    ignored = prefill.routing.model_copy(update={"pool_hit_value": 0.0})
+    assert "pool_capacity_blocks" not in ignored.router_kwargs("prefill", 128, 4096, pool_capacity_blocks=99)
+    off = parse_manifest({**yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "local.yaml")
+                                          .read_text()), "kv_pool": {"enabled": False}})
+    assert kv_pool_capacity_tokens(off, facts) == 0

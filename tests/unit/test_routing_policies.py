@@ -162,3 +162,52 @@ def test_an_unknown_policy_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="least_loaded, prefix, round_robin"):
         make_policy("fastest")
     assert make_policy("prefix", capacity_blocks=8).index.capacity_blocks == 8
+
+
+def test_with_a_kv_pool_affinity_counts_only_for_what_the_pool_does_not_hold():
+    """The same small load gap as above: without a pool the holder keeps the request; with a
+    pool that holds the prefix too, any replica can load it, and the lighter one wins."""
+    def decide(pool_capacity_blocks):
+        policy = PrefixAware(imbalance_abs=8, imbalance_rel=1.5, pool_capacity_blocks=pool_capacity_blocks)
+        holder, other = _holding(policy, SYSTEM)
+        pool = [ReplicaState(holder, ongoing=3, reported_at_s=NOW), ReplicaState(other, ongoing=1, reported_at_s=NOW)]
+        return holder, other, policy.choose(request(SYSTEM + [5] * 4), pool, NOW)
+
+    holder, _, without_pool = decide(0)
+    assert (without_pool.replica_id, without_pool.reason) == (holder, "prefix")
+    holder, other, with_pool = decide(4096)
+    assert (with_pool.replica_id, with_pool.reason, with_pool.expected_hit_blocks) == (other, "pool_prefix", 0)
+    # 2 x (0.8 x 16) / 17 - 1/3 against 2 x 16 / 17 - 3/3
+    assert with_pool.scores[other] == pytest.approx(2 * 0.8 * 16 / 17 - 1 / 3)
+    assert with_pool.scores[holder] == pytest.approx(2 * 16 / 17 - 1)
+
+
+def test_a_pool_hit_is_worth_less_than_a_local_one_at_equal_load():
+    policy = PrefixAware(pool_capacity_blocks=4096, pool_hit_value=0.8)
+    holder, other = _holding(policy, SYSTEM)
+    decision = policy.choose(request(SYSTEM + [7] * 4), replicas(0, 0), NOW)
+    assert (decision.replica_id, decision.reason) == (holder, "prefix")
+    assert decision.scores[holder] > decision.scores[other] > 0
+
+
+def test_the_pool_estimate_forgets_the_oldest_blocks_past_its_capacity():
+    policy = PrefixAware(pool_capacity_blocks=16)
+    pool = replicas(0, 0)
+    policy.choose(request(SYSTEM), pool, NOW)  # 16 blocks: the pool is full
+    policy.choose(request(list(range(1000, 1064))), pool, NOW)  # 16 others push them out
+    fresh = PrefixAware(pool_capacity_blocks=16)
+    # Only the second prompt's blocks are left in the pool's estimate.
+    assert policy.pool.held_blocks("<kv pool>") == 16
+    assert policy.pool.hit_blocks("<kv pool>", request(SYSTEM).block_hashes) == 0
+    assert policy.pool.hit_blocks("<kv pool>", request(list(range(1000, 1064))).block_hashes) == 16
+    assert fresh.pool.held_blocks("<kv pool>") == 0
+
+
+def test_blocks_an_engine_reports_are_in_the_pool_for_every_replica():
+    policy = PrefixAware(pool_capacity_blocks=4096)
+    hashes = request(SYSTEM).block_hashes
+    pool = [ReplicaState("r0", ongoing=2, reported_at_s=NOW, resident=tuple(hashes)),
+            ReplicaState("r1", ongoing=0, reported_at_s=NOW, resident=())]
+    decision = policy.choose(request(SYSTEM + [9] * 4), pool, NOW)
+    # r0 holds 16 of 17 blocks itself, r1 can load them: 2*16/17 - 2/2 < 2*0.8*16/17 - 0
+    assert (decision.replica_id, decision.reason) == ("r1", "pool_prefix")
