@@ -36,7 +36,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.soak_analysis import MIB, Outcome, Sample, fault_report, memory_growth, rss_outside_arenas
+from benchmarks.soak_analysis import (MIB, Outcome, Sample, fault_report, memory_growth, rss_by_kind,
+                                      rss_outside_arenas)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -165,12 +166,13 @@ def _code(body: dict) -> str | None:
 
 
 # -- the stack's processes -------------------------------------------------------------------------
-def stack_processes() -> tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]]:
-    """pid -> (label, resident bytes) of every process the stack runs on this machine, and the
-    same outside preallocated arenas (soak_analysis.rss_outside_arenas)."""
+def stack_processes() -> tuple[dict, dict, dict]:
+    """pid -> (label, resident bytes) of every process the stack runs on this machine, the same
+    outside preallocated arenas (soak_analysis.rss_outside_arenas), and pid -> (label, resident
+    bytes by kind of mapping) (soak_analysis.rss_by_kind)."""
     import psutil
 
-    out, outside = {}, {}
+    out, outside, kinds = {}, {}, {}
     for proc in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
         info = proc.info
         cmdline = info.get("cmdline") or []
@@ -182,26 +184,30 @@ def stack_processes() -> tuple[dict[int, tuple[str, int]], dict[int, tuple[str, 
             if info.get("memory_info") is None:
                 continue
             try:
-                rest, _arenas = rss_outside_arenas(Path(f"/proc/{info['pid']}/smaps").read_text())
+                smaps = Path(f"/proc/{info['pid']}/smaps").read_text()
             except OSError:  # exited while we looked
                 continue
+            rest, _arenas = rss_outside_arenas(smaps)
             out[info["pid"]] = (label[:60], info["memory_info"].rss)
             outside[info["pid"]] = (label[:60], rest)
-    return out, outside
+            kinds[info["pid"]] = (label[:60], rss_by_kind(smaps))
+    return out, outside, kinds
 
 
 class Sampler:
     def __init__(self, every_s: float):
         self.every_s, self.samples, self.samples_outside_arenas = every_s, [], []
+        self.samples_by_kind: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while True:
             now = time.monotonic()
-            total, outside = stack_processes()
+            total, outside, kinds = stack_processes()
             self.samples.append(Sample(now, total))
             self.samples_outside_arenas.append(Sample(now, outside))
+            self.samples_by_kind.append((now, kinds))
             if self._stop.wait(self.every_s):
                 return
 
@@ -264,6 +270,8 @@ def soak(url: str, manifest, args) -> dict:
                  f"{_failures(load.outcomes) or 'none'}")
     growth = memory_growth(sampler.samples, started + warm_s)
     outside = {g.pid: g for g in memory_growth(sampler.samples_outside_arenas, started + warm_s)}
+    where = growth_by_kind(sampler.samples_by_kind, started + warm_s,
+                           [pid for pid, g in outside.items() if g.growth_mib >= GROWTH_TARGET_MIB])
     prefill = manifest.pool_with_role(_role("prefill")).name
     deadline = time.monotonic() + 60
     while (leases := pool_stats(manifest.name, prefill).kv_transfer["leases_outstanding"]) and time.monotonic() < deadline:
@@ -276,12 +284,28 @@ def soak(url: str, manifest, args) -> dict:
             "max_growth_outside_arenas_mib": max((g.growth_mib for g in outside.values()), default=0.0),
             "processes": [{"pid": g.pid, "label": g.label, "start_mib": round(g.start_mib, 1),
                            "end_mib": round(g.end_mib, 1), "growth_mib": round(g.growth_mib, 1),
-                           "growth_outside_arenas_mib": round(outside[g.pid].growth_mib, 1) if g.pid in outside else None}
+                           "growth_outside_arenas_mib": round(outside[g.pid].growth_mib, 1) if g.pid in outside else None,
+                           **({"growth_by_kind_mib": where[g.pid]} if g.pid in where else {})}
                           for g in growth],
             # Every process's resident MiB at each sample (seconds from the start), to see a plateau.
             "timeline": [{"at_s": round(sample.at_s - started, 1),
                           "rss_mib": {str(pid): round(rss / MIB, 1) for pid, (_label, rss) in sample.rss.items()}}
                          for sample in sampler.samples]}
+
+
+def growth_by_kind(samples: list[tuple[float, dict]], warm_until_s: float, pids: list[int]) -> dict[int, dict]:
+    """For the processes that grew past the target outside arenas: growth (MiB) per kind of
+    mapping (heap, anon, file, ...), so the report says where, not only how much."""
+    out: dict[int, dict] = {}
+    for pid in pids:
+        kinds = sorted({kind for _, procs in samples if pid in procs for kind in procs[pid][1]})
+        per_kind = {}
+        for kind in kinds:
+            series = [Sample(at, {pid: (procs[pid][0], procs[pid][1].get(kind, 0))}) for at, procs in samples
+                      if pid in procs]
+            per_kind[kind] = round(memory_growth(series, warm_until_s)[0].growth_mib, 1)
+        out[pid] = per_kind
+    return out
 
 
 def faults(url: str, manifest, args) -> list[dict]:
@@ -372,6 +396,10 @@ def main() -> int:
         rest = row["growth_outside_arenas_mib"]
         print(f"| {row['label']} ({row['pid']}) | {row['start_mib']:.0f} | {row['end_mib']:.0f} | "
               f"{row['growth_mib']:+.1f} | {'-' if rest is None else f'{rest:+.1f}'} |")
+    for row in s["processes"]:
+        if row.get("growth_by_kind_mib"):
+            kinds = ", ".join(f"{kind} {mib:+.1f}" for kind, mib in row["growth_by_kind_mib"].items())
+            print(f"\n{row['label']} ({row['pid']}) grew by kind of mapping (MiB): {kinds}")
     if results["faults"]:
         print("\n| fault | how | affected | lost | slowest request s | first success s | full capacity s |\n"
               "|---|---|---:|---:|---:|---:|---:|")

@@ -52,6 +52,29 @@ def rss_outside_arenas(smaps: str, arena_min_bytes: int = ARENA_MIN_BYTES) -> tu
     return outside, inside
 
 
+def rss_by_kind(smaps: str, arena_min_bytes: int = ARENA_MIN_BYTES) -> dict[str, int]:
+    """Resident bytes of /proc/PID/smaps by kind of mapping, to say where a process grew:
+    heap ([heap], glibc's main arena), anon (unnamed mappings under the arena size: malloc's
+    other arenas and its mmap'd chunks, numpy and torch buffers), arena (preallocated, see
+    ARENA_MIN_BYTES), shm (shared memory), file (code and mapped files), other ([stack], ...)."""
+    out: dict[str, int] = {}
+    kind, size = "other", 0
+    for line in smaps.splitlines():
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if head and not head.endswith(":") and "-" in head:
+            fields = line.split(None, 5)
+            name = fields[5].strip() if len(fields) == 6 else ""
+            kind = ("heap" if name == "[heap]" else "shm" if name.startswith(SHARED_MEMORY_PREFIXES)
+                    else "file" if name.startswith("/") else "other" if name else "anon")
+        elif head == "Size:":
+            size = int(line.split()[1]) * 1024
+        elif head == "Rss:":
+            rss = int(line.split()[1]) * 1024
+            which = "arena" if size >= arena_min_bytes and kind in ("anon", "shm") else kind
+            out[which] = out.get(which, 0) + rss
+    return out
+
+
 @dataclass(frozen=True)
 class Sample:
     """Resident memory of every watched process at one moment: pid -> (label, bytes)."""

@@ -70,3 +70,23 @@ def test_rss_outside_arenas_leaves_out_only_large_anonymous_or_shared_memory_map
     # [heap], the 64 MiB malloc arena and a large library are not
     assert inside == (300000 + 100000) * 1024
     assert outside == (132 + 40000 + 20000 + 59000) * 1024
+
+
+def test_rss_by_kind_says_where_a_process_is_resident():
+    from benchmarks.soak_analysis import rss_by_kind
+
+    kinds = rss_by_kind(SMAPS)
+    assert kinds == {"file": (132 + 59000) * 1024, "heap": 40000 * 1024, "arena": (300000 + 100000) * 1024,
+                     "anon": 20000 * 1024}
+    outside, inside = rss_outside_arenas(SMAPS)
+    assert sum(kinds.values()) == outside + inside and kinds["arena"] == inside
+
+
+def test_the_soak_reports_which_kind_of_mapping_grew():
+    from benchmarks.bench_soak import growth_by_kind
+
+    mib = 1 << 20
+    samples = [(t, {7: ("VLLM::Worker", {"heap": 100 * mib + t * 10 * mib, "anon": 50 * mib, "file": 80 * mib})})
+               for t in range(10)]
+    # warm-up ends at t=2: median of t=2,3,4 against t=7,8,9
+    assert growth_by_kind(samples, 2, [7]) == {7: {"anon": 0.0, "file": 0.0, "heap": 50.0}}
