@@ -1,7 +1,7 @@
 """The KV pool on a multi-turn trace: pool on vs off, side by side on one cluster.
 
     .venv/bin/python -m benchmarks.bench_kv_pool --rounds 2                      # P/D, 32 conversations
-    .venv/bin/python -m benchmarks.bench_kv_pool --layout colocated --conversations 8 --rounds 3
+    .venv/bin/python -m benchmarks.bench_kv_pool --layout colocated --model deepseek --conversations 4 ...
 
 Two applications of one manifest run at once on one local cluster: `pool-off` without its KV
 pool (each engine keeps KV only in its own memory: prefill's prefix cache, decode's off),
@@ -44,12 +44,17 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-MANIFESTS = {"pd": "local.yaml", "colocated": "local-colocated.yaml"}
+MANIFESTS = {("pd", "qwen"): "local.yaml", ("colocated", "qwen"): "local-colocated.yaml",
+             ("pd", "deepseek"): "local-deepseek.yaml", ("colocated", "deepseek"): "local-colocated.yaml"}
+# vLLM's CPU block sizes: 128 tokens for its attention backend, 16 for MLA (forced by the platform).
+BLOCK_TOKENS = {"qwen": 128, "deepseek": 16}
 PROMPT_POOLS = {"pd": "prefill", "colocated": "engine"}  # the pool whose engine computes prompts
 
 
-def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, layout: str) -> dict:
-    data = yaml.safe_load((REPO / "manifests" / MANIFESTS[layout]).read_text())
+def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, layout: str, model: str) -> dict:
+    data = yaml.safe_load((REPO / "manifests" / MANIFESTS[(layout, model)]).read_text())
+    if model == "deepseek":  # the colocated manifest serves Qwen3-MoE: swap the model in
+        data["model"] = yaml.safe_load((REPO / "manifests" / "local-deepseek.yaml").read_text())["model"]
     data["name"] = name
     data["model"]["max_model_len"] = 4096
     data["http"]["route_prefix"] = f"/{name}"
@@ -147,7 +152,9 @@ def summarize(turns: list[dict], seconds: float, before: dict, after: dict, bloc
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per application (alternating)")
-    parser.add_argument("--layout", choices=sorted(MANIFESTS), default="pd")
+    parser.add_argument("--layout", choices=["pd", "colocated"], default="pd")
+    parser.add_argument("--model", choices=["qwen", "deepseek"], default="qwen",
+                        help="tiny Qwen3-MoE (GQA) or tiny DeepSeek-V3 (MLA: a slower prefill on CPU, 4.5x the KV bytes)")
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=1024)
@@ -157,7 +164,8 @@ def main() -> int:
     parser.add_argument("--stagger-s", type=float, default=1.0, help="between conversation starts")
     parser.add_argument("--engine-kv-gib", type=int, default=1)
     parser.add_argument("--engine-blocks", type=int, default=256,
-                        help="cap the prefill (colocated) engines' KV cache at this many 128-token blocks (0: no cap)")
+                        help="cap the prefill (colocated) engines' KV cache at this many blocks (128 tokens; 16 for "
+                             "deepseek) (0: no cap)")
     parser.add_argument("--out", default=None, help="default benchmarks/results/kv_pool[-colocated].json")
     args = parser.parse_args()
 
@@ -166,13 +174,14 @@ def main() -> int:
     from cluster.manifest import parse_manifest
     from cluster.serve_control import connect, deploy
 
-    args.out = args.out or str(RESULTS / ("kv_pool.json" if args.layout == "pd" else f"kv_pool-{args.layout}.json"))
+    suffix = "".join(f"-{part}" for part in (args.layout, args.model) if part not in ("pd", "qwen"))
+    args.out = args.out or str(RESULTS / f"kv_pool{suffix}.json")
     apps = {name: parse_manifest(app_manifest(name, name == "pool-on", args.engine_kv_gib, args.engine_blocks,
-                                              args.layout), name)
+                                              args.layout, args.model), name)
             for name in ("pool-off", "pool-on")}
     pools = [pool.name for pool in apps["pool-off"].pools]
     prompt_pool = PROMPT_POOLS[args.layout]
-    block_tokens = 128  # vLLM's CPU default
+    block_tokens = BLOCK_TOKENS[args.model]
     cluster = LocalCluster(apps["pool-off"].local_cluster).start(progress=_log)
     results: dict[str, list[dict]] = {name: [] for name in apps}
     try:
@@ -211,9 +220,9 @@ def main() -> int:
             (f"{prompt_pool} tokens loaded from the pool", "prefill_tokens_loaded_from_pool", "{:,.0f}"),
             ("share of reusable loaded", "share_loaded", "{:.0%}")]
     working_set = args.conversations * (args.system_tokens + args.turns * (args.message_tokens + args.output_tokens))
-    print(f"\nlayout {args.layout}; trace: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
+    print(f"\nlayout {args.layout}, model {args.model}; trace: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
           f"tokens, {args.message_tokens}-token messages, {args.output_tokens} output tokens, think {args.think_s:g} s; "
-          f"{prompt_pool} KV {args.engine_blocks * 128 if args.engine_blocks else 'up to ' + str(args.engine_kv_gib) + ' GiB'} "
+          f"{prompt_pool} KV {args.engine_blocks * block_tokens if args.engine_blocks else 'up to ' + str(args.engine_kv_gib) + ' GiB'} "
           f"tokens each, working set ~{working_set:,} tokens; median of {args.rounds} rounds per side, alternating\n")
     print("| metric | pool off | pool on | on / off |\n|---|---:|---:|---:|")
     table = {}
