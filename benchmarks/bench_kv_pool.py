@@ -82,7 +82,9 @@ def make_conversations(args, seed: int) -> list[dict]:
             for _ in range(args.conversations)]
 
 
-async def run_conversation(client, url: str, model: str, conv: dict, args, start_delay_s: float) -> list[dict]:
+async def run_conversation(client, url: str, model: str, conv: dict, args, start_delay_s: float,
+                           shared_system: bool) -> list[dict]:
+    """`shared_system`: an earlier conversation (started before this one) sent the same system prompt."""
     await asyncio.sleep(start_delay_s)
     history = list(conv["system"])
     turns = []
@@ -106,7 +108,7 @@ async def run_conversation(client, url: str, model: str, conv: dict, args, start
                       "e2e_s": time.perf_counter() - started, "output_tokens": len(answer),
                       # what the cluster computed before this turn: the previous prompt and
                       # answer but the answer's last token (never fed back)
-                      "reusable_tokens": len(history) - 1 if index else 0})
+                      "reusable_tokens": len(history) - 1 if index else (len(history) if shared_system else 0)})
         history = prompt + answer
         await asyncio.sleep(args.think_s)
     return turns
@@ -118,7 +120,8 @@ async def run_round(url: str, model: str, conversations: list[dict], args) -> tu
     started = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
         per_conv = await asyncio.gather(*(
-            run_conversation(client, url, model, conv, args, i * args.stagger_s) for i, conv in enumerate(conversations)))
+            run_conversation(client, url, model, conv, args, i * args.stagger_s, i > 0 and args.stagger_s > 0)
+            for i, conv in enumerate(conversations)))
     return [t for turns in per_conv for t in turns], time.perf_counter() - started
 
 
@@ -137,14 +140,17 @@ def summarize(turns: list[dict], seconds: float, before: dict, after: dict, bloc
     ttft = sorted(t["ttft_s"] * 1e3 for t in later if t["ttft_s"] is not None)
     delta = {pool: {k: after[pool].get(k, 0) - before[pool].get(k, 0) for k in after[pool]} for pool in after}
     prompt_tokens = sum(t["prompt_tokens"] for t in turns)
-    reusable = sum((t["reusable_tokens"] // block_tokens) * block_tokens for t in later)
+    # Reusable: what the cluster computed before, in whole blocks: in later turns the history
+    # (the previous prompt and answer but its last token), in a first turn the system prompt
+    # when an earlier conversation sent it. The pool's counters cover every turn.
+    reusable = sum((t["reusable_tokens"] // block_tokens) * block_tokens for t in turns)
     loaded = delta[prompt_pool].get("pool_blocks_loaded_total", 0) * block_tokens
     d = delta.get("decode", {})
     pool_bps = d.get("pool_bytes_loaded_total", 0) / d["pool_load_seconds_total"] if d.get("pool_load_seconds_total") else None
     tcp_bps = d.get("bytes_loaded_total", 0) / d["pull_seconds_total"] if d.get("pull_seconds_total") else None
     return {"ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
             "requests_per_s": len(turns) / seconds, "output_tokens_per_s": sum(t["output_tokens"] for t in turns) / seconds,
-            "prompt_tokens": prompt_tokens, "reusable_tokens_turns_2plus": reusable,
+            "prompt_tokens": prompt_tokens, "reusable_tokens": reusable,
             "prefill_tokens_loaded_from_pool": loaded, "share_loaded": loaded / reusable if reusable else 0.0,
             "decode_pool_load_bytes_per_s": pool_bps, "decode_tcp_pull_bytes_per_s": tcp_bps, "counters": delta}
 
@@ -216,7 +222,7 @@ def main() -> int:
     rows = [("TTFT p50 ms (turns 2+)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 ms (turns 2+)", "ttft_p90_ms", "{:.0f}"),
             ("requests/s", "requests_per_s", "{:.2f}"), ("output tokens/s", "output_tokens_per_s", "{:.0f}"),
             ("prompt tokens sent", "prompt_tokens", "{:,.0f}"),
-            ("reusable prompt tokens (turns 2+)", "reusable_tokens_turns_2plus", "{:,.0f}"),
+            ("reusable prompt tokens", "reusable_tokens", "{:,.0f}"),
             (f"{prompt_pool} tokens loaded from the pool", "prefill_tokens_loaded_from_pool", "{:,.0f}"),
             ("share of reusable loaded", "share_loaded", "{:.0%}")]
     working_set = args.conversations * (args.system_tokens + args.turns * (args.message_tokens + args.output_tokens))
