@@ -270,6 +270,9 @@ def soak(url: str, manifest, args) -> dict:
                  f"{_failures(load.outcomes) or 'none'}")
     growth = memory_growth(sampler.samples, started + warm_s)
     outside = {g.pid: g for g in memory_growth(sampler.samples_outside_arenas, started + warm_s)}
+    # The same over the second half only: a process still warming up (heap reaching its
+    # high-water mark, KV pages first touched) grows early and then plateaus; a leak does not.
+    late = {g.pid: g for g in memory_growth(sampler.samples, started + args.minutes * 60 / 2)}
     where = growth_by_kind(sampler.samples_by_kind, started + warm_s,
                            [pid for pid, g in outside.items() if g.growth_mib >= GROWTH_TARGET_MIB])
     prefill = manifest.pool_with_role(_role("prefill")).name
@@ -285,6 +288,7 @@ def soak(url: str, manifest, args) -> dict:
             "processes": [{"pid": g.pid, "label": g.label, "start_mib": round(g.start_mib, 1),
                            "end_mib": round(g.end_mib, 1), "growth_mib": round(g.growth_mib, 1),
                            "growth_outside_arenas_mib": round(outside[g.pid].growth_mib, 1) if g.pid in outside else None,
+                           "growth_second_half_mib": round(late[g.pid].growth_mib, 1) if g.pid in late else None,
                            **({"growth_by_kind_mib": where[g.pid]} if g.pid in where else {})}
                           for g in growth],
             # Every process's resident MiB at each sample (seconds from the start), to see a plateau.
@@ -391,11 +395,13 @@ def main() -> int:
     print(f"resident memory growth after {s['warmup_s']:.0f} s warm-up (target < {GROWTH_TARGET_MIB:g} MiB); "
           f"'outside arenas' leaves out the KV cache and pool segments, whose pages become resident as "
           f"blocks are first used:\n")
-    print("| process | start MiB | end MiB | growth MiB | growth outside arenas MiB |\n|---|---:|---:|---:|---:|")
+    print("| process | start MiB | end MiB | growth MiB | growth outside arenas MiB | growth in the second half MiB |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for row in s["processes"]:
-        rest = row["growth_outside_arenas_mib"]
+        rest, late = row["growth_outside_arenas_mib"], row.get("growth_second_half_mib")
         print(f"| {row['label']} ({row['pid']}) | {row['start_mib']:.0f} | {row['end_mib']:.0f} | "
-              f"{row['growth_mib']:+.1f} | {'-' if rest is None else f'{rest:+.1f}'} |")
+              f"{row['growth_mib']:+.1f} | {'-' if rest is None else f'{rest:+.1f}'} | "
+              f"{'-' if late is None else f'{late:+.1f}'} |")
     for row in s["processes"]:
         if row.get("growth_by_kind_mib"):
             kinds = ", ".join(f"{kind} {mib:+.1f}" for kind, mib in row["growth_by_kind_mib"].items())
