@@ -17,7 +17,9 @@ Methods (one process, real Mooncake master; each moves the same 32 blocks of 256
   the pool did before);
 - tcp_pull: our TCP transport (`kv_transfer/transport/tcp`: server thread, one fetch of the
   blocks' pages, as decode pulls a lease).
-Each round runs every method once per setting (alternating); the table is the median.
+`--hogs N` runs N busy processes for the whole run, as the other engines, replicas and the
+benchmark client do on a loaded node: every hand-off between threads or processes then waits
+for a core. Each round runs every method once per setting (alternating); the table is the median.
 Writes benchmarks/results/pool_load.json.
 """
 
@@ -63,11 +65,23 @@ def _spin(stop: threading.Event) -> None:
         sum(range(2000))
 
 
+def _hog() -> None:
+    while True:
+        sum(range(10_000))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=str(RESULTS / "pool_load.json"))
+    parser.add_argument("--hogs", type=int, default=0, help="busy processes running beside the benchmark")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/pool_load[-hogsN].json")
     args = parser.parse_args()
+    args.out = args.out or str(RESULTS / (f"pool_load-hogs{args.hogs}.json" if args.hogs else "pool_load.json"))
+    import multiprocessing
+
+    hogs = [multiprocessing.Process(target=_hog, daemon=True) for _ in range(args.hogs)]
+    for hog in hogs:
+        hog.start()
 
     from cluster.kv_pool_service import KVPoolMaster
     from kv_transfer.pool import objects
@@ -146,6 +160,8 @@ def main() -> int:
         reader.snapshot()
     finally:
         master.stop()
+        for hog in hogs:
+            hog.terminate()
 
     rows = []
     for (name, busy), values in seconds.items():
@@ -153,7 +169,7 @@ def main() -> int:
         rows.append({"method": name, "gil_busy": busy, "ms": median * 1e3, "mb_per_s": nbytes / median / 1e6})
     tcp_rate = {r["gil_busy"]: r["mb_per_s"] for r in rows if r["method"] == "tcp_pull"}
     print(f"\n{BLOCKS} blocks of {LAYER_PAGES * PAGE_BYTES // 1024} KiB ({nbytes / 1e6:.1f} MB), median of "
-          f"{args.rounds} rounds; checksums keep the GIL: {holds_gil()}\n")
+          f"{args.rounds} rounds; {args.hogs} busy processes beside; checksums keep the GIL: {holds_gil()}\n")
     print("| method | GIL | ms | MB/s | x tcp_pull |\n|---|---|---:|---:|---:|")
     for r in rows:
         r["x_tcp_pull"] = r["mb_per_s"] / tcp_rate[r["gil_busy"]]
@@ -161,7 +177,7 @@ def main() -> int:
               f"| {r['x_tcp_pull']:.2f} |")
     out = Path(args.out)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "rows": rows}, indent=1))
+                               "cpus": os.cpu_count(), "hogs": args.hogs, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
     return 0
 
