@@ -5,6 +5,10 @@ the pool may supply the longest run of the *following* full prompt blocks that i
 every tensor-parallel rank; the first missing block ends the run (each block's KV depends on
 all blocks before it, so a later hit is useless without the earlier ones). One batched
 `exists` call per fresh request; none while the pool's breaker is open (`PoolHealth`).
+vLLM asks again at every step while a request waits for KV blocks (15 times per request on
+the MLA benchmark, BENCHMARKS 8d), and each call blocks the scheduler's loop on a round trip
+to the master: an answer younger than `reuse_s` for the same blocks is reused. A block evicted
+in that second fails its load, which recomputes like any failed load.
 
 Store rule: when a request finishes normally, every full block whose KV the engine computed
 (prompt and generated tokens alike, `num_computed_tokens // block_size`) and that did not come
@@ -27,10 +31,12 @@ from kv_transfer.pool.store import PoolStore, PoolUnavailable
 
 logger = logging.getLogger(__name__)
 
+LOOKUP_REUSE_S = 1.0
+
 
 class PoolScheduler:
     def __init__(self, store: Callable[[], PoolStore], keys: KeySpace, block_size_tokens: int,
-                 health: PoolHealth, clock: Callable[[], float] = time.monotonic):
+                 health: PoolHealth, clock: Callable[[], float] = time.monotonic, reuse_s: float = LOOKUP_REUSE_S):
         self._store = store  # created on first use: the engine must start even if the pool is down
         self._keys = keys
         self._block_size = block_size_tokens
@@ -38,6 +44,8 @@ class PoolScheduler:
         self._clock = clock
         self._hits: dict[str, tuple[int, int]] = {}  # request id -> (first block, blocks) of its latest lookup
         self._loaded: dict[str, tuple[int, int]] = {}  # request id -> (first block, blocks) read from the pool
+        self._recent: dict[str, tuple[int, int, int, float]] = {}  # request id -> (first, last, hit, at_s)
+        self._reuse_s = reuse_s
         self.tally = LookupTally()
 
     def warm_up(self, wait_s: float) -> None:
@@ -56,13 +64,29 @@ class PoolScheduler:
         if first >= last or not self._health.usable(self._clock()):
             self._hits.pop(request.request_id, None)
             return 0
-        wanted = hashes[first:last]
+        now_s = self._clock()
+        recent = self._recent.get(request.request_id)
+        if recent is not None and recent[:2] == (first, last) and now_s - recent[3] < self._reuse_s:
+            hit = recent[2]  # asked again while waiting for blocks: the answer is fresh
+        else:
+            hit = self._ask_pool(hashes[first:last])
+            if hit is None:
+                return 0
+            self._recent[request.request_id] = (first, last, hit, now_s)
+        if hit:
+            self._hits[request.request_id] = (first, hit)
+        else:
+            self._hits.pop(request.request_id, None)
+        return hit
+
+    def _ask_pool(self, wanted: list) -> int | None:
+        """The run of `wanted` blocks the pool holds for every rank; None when the pool failed."""
         keys = [key for block_hash in wanted for key in self._keys.keys_all_ranks(block_hash)]
         try:
             present = self._store().exists(keys)
         except PoolUnavailable as exc:
             self._failed(exc)
-            return 0
+            return None
         self._health.succeeded()
         ranks = self._keys.tp_size
         hit = 0
@@ -71,10 +95,6 @@ class PoolScheduler:
                 break
             hit += 1
         self.tally.add(len(wanted), hit)
-        if hit:
-            self._hits[request.request_id] = (first, hit)
-        else:
-            self._hits.pop(request.request_id, None)
         return hit
 
     def take_hit(self, request_id: str) -> tuple[int, int]:
@@ -111,6 +131,7 @@ class PoolScheduler:
     def forget(self, request_id: str) -> None:
         self._hits.pop(request_id, None)
         self._loaded.pop(request_id, None)
+        self._recent.pop(request_id, None)
 
     def take_tally(self) -> LookupTally:
         tally, self.tally = self.tally, LookupTally()

@@ -346,3 +346,19 @@ def test_the_release_of_a_stored_request_waits_for_its_store(store, monkeypatch)
         assert len(store.objects) == 2
     finally:
         side.shutdown()
+
+
+def test_a_request_waiting_for_blocks_is_not_looked_up_again_within_reuse_s(tier, store, clock):
+    """vLLM asks at every step while the request waits: one pool call per second at most."""
+    req = request(prompt_len=70)
+    pooled(store, req, range(0, 3))
+    assert [tier.lookup(req, 0) for _ in range(5)] == [3] * 5
+    assert store.calls == ["exists"]
+    assert tier.take_hit(req.request_id) == (0, 3)
+    pooled(store, req, range(3, 4))
+    clock.now_s += 1.0  # stale now: asked again, and the newly pooled block is found
+    assert tier.lookup(req, 0) == 4 and store.calls == ["exists", "exists"]
+    assert tier.lookup(req, 16) == 3 and len(store.calls) == 3  # other blocks wanted: asked again
+    tier.forget(req.request_id)
+    assert tier.lookup(req, 16) == 3 and len(store.calls) == 4  # a finished request is forgotten
+    assert tier.take_tally().lookups == len(store.calls) == 4  # reused answers are not pool lookups
