@@ -36,8 +36,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.soak_analysis import (MIB, Outcome, Sample, fault_report, memory_growth, rss_by_kind,
-                                      rss_outside_arenas)
+from benchmarks.soak_analysis import (MIB, Outcome, Sample, fault_report, growth_by_kind, memory_growth,
+                                      rss_by_kind, rss_outside_arenas)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -295,21 +295,6 @@ def soak(url: str, manifest, args) -> dict:
             "timeline": [{"at_s": round(sample.at_s - started, 1),
                           "rss_mib": {str(pid): round(rss / MIB, 1) for pid, (_label, rss) in sample.rss.items()}}
                          for sample in sampler.samples]}
-
-
-def growth_by_kind(samples: list[tuple[float, dict]], warm_until_s: float, pids: list[int]) -> dict[int, dict]:
-    """For the processes that grew past the target outside arenas: growth (MiB) per kind of
-    mapping (heap, anon, file, ...), so the report says where, not only how much."""
-    out: dict[int, dict] = {}
-    for pid in pids:
-        kinds = sorted({kind for _, procs in samples if pid in procs for kind in procs[pid][1]})
-        per_kind = {}
-        for kind in kinds:
-            series = [Sample(at, {pid: (procs[pid][0], procs[pid][1].get(kind, 0))}) for at, procs in samples
-                      if pid in procs]
-            per_kind[kind] = round(memory_growth(series, warm_until_s)[0].growth_mib, 1)
-        out[pid] = per_kind
-    return out
 
 
 def faults(url: str, manifest, args) -> list[dict]:

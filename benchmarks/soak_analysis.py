@@ -112,6 +112,21 @@ def memory_growth(samples: Sequence[Sample], warm_until_s: float, edge: int = 3)
     return sorted(out, key=lambda g: -g.growth_mib)
 
 
+def growth_by_kind(samples: list[tuple[float, dict]], warm_until_s: float, pids: list[int]) -> dict[int, dict]:
+    """For the processes that grew past the target outside arenas: growth (MiB) per kind of
+    mapping (heap, anon, file, ...), so the report says where, not only how much."""
+    out: dict[int, dict] = {}
+    for pid in pids:
+        kinds = sorted({kind for _, procs in samples if pid in procs for kind in procs[pid][1]})
+        per_kind = {}
+        for kind in kinds:
+            series = [Sample(at, {pid: (procs[pid][0], procs[pid][1].get(kind, 0))}) for at, procs in samples
+                      if pid in procs]
+            per_kind[kind] = round(memory_growth(series, warm_until_s)[0].growth_mib, 1)
+        out[pid] = per_kind
+    return out
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One request as the load generator saw it. `status`: the HTTP status, "error-event" (an SSE

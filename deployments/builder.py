@@ -180,19 +180,24 @@ def follows_kv_events(pool: PoolSpec) -> bool:
     return pool.routing.policy == "prefix" and pool.routing.kv_events and pool.engine.enable_prefix_caching
 
 
+def _model_facts(manifest: Manifest, model_path: str):
+    """The checkpoint's sizes (config.json) that the routers' capacity estimates come from."""
+    from pathlib import Path
+
+    from cluster.model_facts import read_model_facts
+
+    return read_model_facts(Path(model_path), manifest.model.dtype, model_name=manifest.model.name,
+                            quantization=manifest.model.quantization)
+
+
 def kv_pool_capacity_blocks(manifest: Manifest, model_path: str, block_size: int) -> int:
     """Blocks the KV pool holds (the prefix router's estimate of what any replica can load); 0
     without a pool."""
     if not manifest.kv_pool.enabled:
         return 0
-    from pathlib import Path
-
-    from cluster.model_facts import read_model_facts
     from cluster.plan import kv_pool_capacity_tokens
 
-    facts = read_model_facts(Path(model_path), manifest.model.dtype, model_name=manifest.model.name,
-                             quantization=manifest.model.quantization)
-    return kv_pool_capacity_tokens(manifest, facts) // block_size
+    return kv_pool_capacity_tokens(manifest, _model_facts(manifest, model_path)) // block_size
 
 
 def engine_capacity_blocks(manifest: Manifest, pool: PoolSpec, model_path: str, block_size: int) -> int:
@@ -200,14 +205,9 @@ def engine_capacity_blocks(manifest: Manifest, pool: PoolSpec, model_path: str, 
     override = pool.engine.extra_args.get("num_gpu_blocks_override")
     if override:
         return int(override)
-    from pathlib import Path
-
-    from cluster.model_facts import read_model_facts
     from cluster.plan import make_plan
 
-    facts = read_model_facts(Path(model_path), manifest.model.dtype, model_name=manifest.model.name,
-                             quantization=manifest.model.quantization)
-    plan = next(p for p in make_plan(manifest, facts).pools if p.name == pool.name)
+    plan = next(p for p in make_plan(manifest, _model_facts(manifest, model_path)).pools if p.name == pool.name)
     tokens = plan.kv_cache_tokens_per_replica
     return max(tokens // block_size, 1) if tokens else FALLBACK_CAPACITY_BLOCKS
 

@@ -4,7 +4,7 @@ Why not `zlib.crc32`: it releases the GIL for any buffer over 5 KiB, and a pool 
 connector thread inside the engine process, whose main thread (vLLM's busy loop) holds the GIL
 most of the time. Every release then costs a wait of up to one switch interval (5 ms) to get
 the GIL back. Measured with a Python thread spinning beside a load of 32 blocks of 256 KiB
-(`benchmarks/bench_pool_load.py --busy`): 32 CRCs took 104 ms, 3 ms each, for 0.06 ms of
+(`benchmarks/bench_pool_load.py`, its "busy" rows): 32 CRCs took 104 ms, 3 ms each, for 0.06 ms of
 work, and pool loads ran at 50-250 MB/s instead of ~900 MB/s.
 
 So the same libz `crc32` is called through `ctypes.PyDLL`, which keeps the GIL for the call:

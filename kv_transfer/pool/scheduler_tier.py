@@ -61,10 +61,10 @@ class PoolScheduler:
         first = local_tokens // self._block_size
         hashes = list(getattr(request, "block_hashes", None) or ())
         last = min(len(hashes), len(request.prompt_token_ids or ()) // self._block_size)
-        if first >= last or not self._health.usable(self._clock()):
+        now_s = self._clock()
+        if first >= last or not self._health.usable(now_s):
             self._hits.pop(request.request_id, None)
             return 0
-        now_s = self._clock()
         recent = self._recent.get(request.request_id)
         if recent is not None and recent[:2] == (first, last) and now_s - recent[3] < self._reuse_s:
             hit = recent[2]  # asked again while waiting for blocks: the answer is fresh

@@ -83,7 +83,7 @@ def test_rss_by_kind_says_where_a_process_is_resident():
 
 
 def test_the_soak_reports_which_kind_of_mapping_grew():
-    from benchmarks.bench_soak import growth_by_kind
+    from benchmarks.soak_analysis import growth_by_kind
 
     mib = 1 << 20
     samples = [(t, {7: ("VLLM::Worker", {"heap": 100 * mib + t * 10 * mib, "anon": 50 * mib, "file": 80 * mib})})
