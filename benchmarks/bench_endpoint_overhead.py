@@ -98,7 +98,7 @@ def main() -> int:
         from cluster.local_cluster import LocalCluster
         from cluster.serve_control import connect, deploy
 
-        cluster = LocalCluster(manifest.local_cluster).start(progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
+        cluster = LocalCluster.for_manifest(manifest).start(progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
         connect(cluster.address)
         base_url = deploy(manifest, progress=lambda m: print(f"[bench] {m}", file=sys.stderr)).url
 

@@ -64,7 +64,7 @@ def measure_layout(layout: str, args) -> dict:
     trace = make_trace(TraceSpec(num_requests=args.num_requests, rate_rps=args.rate,
                                  prompt_tokens=LengthSpec(args.prompt_tokens, 0.5),
                                  output_tokens=LengthSpec(args.output_tokens), seed=0))
-    cluster = LocalCluster(manifest.local_cluster).start(progress=_log)
+    cluster = LocalCluster.for_manifest(manifest).start(progress=_log)
     try:
         connect(cluster.address)
         url = deploy(manifest, progress=_log).url

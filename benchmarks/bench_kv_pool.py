@@ -188,7 +188,7 @@ def main() -> int:
     pools = [pool.name for pool in apps["pool-off"].pools]
     prompt_pool = PROMPT_POOLS[args.layout]
     block_tokens = BLOCK_TOKENS[args.model]
-    cluster = LocalCluster(apps["pool-off"].local_cluster).start(progress=_log)
+    cluster = LocalCluster.for_manifest(apps["pool-off"]).start(progress=_log)
     results: dict[str, list[dict]] = {name: [] for name in apps}
     try:
         connect(cluster.address)

@@ -174,7 +174,7 @@ def main() -> int:
     from cluster.serve_control import connect, deploy
 
     apps = {policy: parse_manifest(app_manifest(policy, args), policy) for policy in POLICIES}
-    cluster = LocalCluster(apps["prefix"].local_cluster).start(progress=_log)
+    cluster = LocalCluster.for_manifest(apps["prefix"]).start(progress=_log)
     results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     try:
         connect(cluster.address)

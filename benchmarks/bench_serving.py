@@ -17,14 +17,16 @@ medians and each system's ratio to the plain vLLM server. Every run uses its own
 Systems, each in its own subprocess, started, measured and stopped before the next starts:
   vllm                  `python -m vllm.entrypoints.openai.api_server`, the engine settings of
                         manifests/local-colocated.yaml (same dtype, lengths, batch, KV space)
-  moe-serve             manifests/local-colocated.yaml on a LocalCluster
-  moe-serve-throughput  the same with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in the environment
-                        before Ray starts (gRPC between replicas, direct ingress, user code on
-                        the replica's main loop, ...), measured through the manifest's URL
-                        (:8000: Serve still starts one proxy, on the head node)
+  moe-serve             manifests/local-colocated.yaml on a LocalCluster with `http.front:
+                        serve_proxy`: Serve's Python HTTP proxy actor in front (:8000)
+  moe-serve-throughput  the same with `throughput_optimized: true` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+                        before Ray starts: gRPC between replicas, direct ingress, user code on
+                        the replica's main loop), measured through the proxy (:8000)
   moe-serve-throughput-direct
                         the same mode, measured on the ingress replica's own HTTP port (direct
                         ingress: 30000 and up, listed by Serve's controller as target groups)
+  moe-serve-haproxy     `http.front: haproxy`, the manifests' default: Serve's HAProxy mode,
+                        HAProxy on :8000 forwarding to the ingress replica's own port
   moe-serve-default     manifests/local.yaml (P/D + EP decode), only with --with-default
 
 Writes benchmarks/results/serving.json (command, date, cpus, args, probes, raw rounds).
@@ -49,20 +51,26 @@ RESULTS = REPO / "benchmarks" / "results"
 COLOCATED = REPO / "manifests" / "local-colocated.yaml"
 DEFAULT = REPO / "manifests" / "local.yaml"
 BASELINE = "vllm"
-THROUGHPUT_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_PROXY = {"front": "serve_proxy"}
+SERVE_PROXY_THROUGHPUT = {"front": "serve_proxy", "throughput_optimized": True}
+HAPROXY = {"front": "haproxy"}
 SYSTEMS = {
-    # name: (label in the table, manifest or None for the plain server, extra environment,
-    #        which URL to measure: "proxy" = the manifest's http host:port, "direct" = an
-    #        ingress replica's own port as Serve's controller lists it (direct ingress))
+    # name: (label in the table, manifest or None for the plain server, overrides of the
+    #        manifest's http section, which URL to measure: "proxy" = the manifest's http
+    #        host:port, "direct" = an ingress replica's own port as Serve's controller lists it)
     "vllm": ("plain vLLM server (`vllm.entrypoints.openai.api_server`)", None, {}, None),
-    "moe-serve": ("moe-serve, `manifests/local-colocated.yaml`", COLOCATED, {}, "proxy"),
-    "moe-serve-throughput": ("moe-serve colocated, `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, via :8000 (proxy)",
-                             COLOCATED, THROUGHPUT_MODE, "proxy"),
-    "moe-serve-throughput-direct": ("moe-serve colocated, `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, direct to the "
-                                    "ingress replica's port", COLOCATED, THROUGHPUT_MODE, "direct"),
-    "moe-serve-default": ("moe-serve, `manifests/local.yaml` (P/D + 2-rank EP decode)", DEFAULT, {}, "proxy"),
+    "moe-serve": ("moe-serve colocated, `http.front: serve_proxy` (Serve's Python proxy, :8000)",
+                  COLOCATED, SERVE_PROXY, "proxy"),
+    "moe-serve-throughput": ("moe-serve colocated, `serve_proxy` + `throughput_optimized` (:8000)",
+                             COLOCATED, SERVE_PROXY_THROUGHPUT, "proxy"),
+    "moe-serve-throughput-direct": ("moe-serve colocated, throughput mode, direct to the ingress replica's "
+                                    "port", COLOCATED, SERVE_PROXY_THROUGHPUT, "direct"),
+    "moe-serve-haproxy": ("moe-serve colocated, `http.front: haproxy` (the default, :8000)", COLOCATED,
+                          HAPROXY, "proxy"),
+    "moe-serve-default": ("moe-serve, `manifests/local.yaml` (P/D + 2-rank EP decode, haproxy)", DEFAULT,
+                          HAPROXY, "proxy"),
 }
-DEFAULT_SYSTEMS = ["vllm", "moe-serve", "moe-serve-throughput", "moe-serve-throughput-direct"]
+DEFAULT_SYSTEMS = ["vllm", "moe-serve", "moe-serve-throughput", "moe-serve-throughput-direct", "moe-serve-haproxy"]
 MEASUREMENTS = {"saturation": "inf", "rate8": "8"}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 WARMUP_SEED = 999
@@ -289,12 +297,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _manifest(path: Path):
+def _manifest(path: Path, http: dict | None = None):
     import yaml
 
     from cluster.manifest import parse_manifest
 
-    return parse_manifest(yaml.safe_load(path.read_text()), str(path))
+    data = yaml.safe_load(path.read_text())
+    data["http"] = {**data.get("http", {}), **(http or {})}
+    return parse_manifest(data, str(path))
 
 
 def plain_server_command(manifest, model_path: str, port: int) -> tuple[list[str], dict]:
@@ -411,11 +421,11 @@ def measure_moe_serve(system: str, manifest_path: Path, args) -> dict:
     from cluster.local_cluster import LocalCluster
     from cluster.serve_control import connect, deploy
 
-    manifest = _manifest(manifest_path)
+    manifest = _manifest(manifest_path, SYSTEMS[system][2])
     model_path = str(resolve_model_path(manifest.model.path))
+    cluster = LocalCluster.for_manifest(manifest).start(progress=_log)
     flags = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
     _log(f"{system}: Ray Serve environment {flags or '{}'}")
-    cluster = LocalCluster(manifest.local_cluster).start(progress=_log)
     try:
         connect(cluster.address)
         from ray.serve._private import constants
@@ -469,7 +479,7 @@ def measure_one(system: str, args) -> dict:
 
 
 def _leftovers() -> str:
-    proc = subprocess.run(["pgrep", "-fa", "raylet|gcs_server|vllm.entrypoints.openai.api_server|VLLM::|mooncake"],
+    proc = subprocess.run(["pgrep", "-fa", "raylet|gcs_server|vllm.entrypoints.openai.api_server|VLLM::|mooncake|haproxy"],
                           capture_output=True, text=True)
     mine = [line for line in proc.stdout.splitlines() if "pgrep" not in line]
     return "\n".join(mine)
@@ -510,7 +520,7 @@ def main() -> int:
     previous = json.loads(out.read_text()) if args.systems and out.exists() else {}
     raw: dict[str, dict] = dict(previous.get("raw", {}))
     for system in systems:
-        label, _, extra_env, _ = SYSTEMS[system]
+        label, _, http, _ = SYSTEMS[system]
         _log(f"=== {system}: {label} ===")
         part = RESULTS / f".serving-{system}.json"
         child_args = [sys.executable, "-m", "benchmarks.bench_serving", "--one", system, "--out", str(part),
@@ -518,14 +528,14 @@ def main() -> int:
                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                       "--start-timeout", str(args.start_timeout), "--client-timeout", str(args.client_timeout)]
         system_started = time.monotonic()
-        # The mode's variable is in the child's environment before its Ray cluster starts, so
-        # the raylets, and through them the controller, proxy and replicas, inherit it.
-        env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
-        proc = subprocess.run(child_args, cwd=REPO, env={**env, **OFFLINE_ENV, **extra_env})
+        # The child's cluster takes its Serve variables from the manifest's http section
+        # (LocalCluster.for_manifest); none may leak in from this shell.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+        proc = subprocess.run(child_args, cwd=REPO, env={**env, **OFFLINE_ENV})
         data = json.loads(part.read_text()) if part.exists() else {"error": f"subprocess exited {proc.returncode}"}
         part.unlink(missing_ok=True)
         data["seconds"] = round(time.monotonic() - system_started, 1)
-        data["env"] = extra_env
+        data["http"] = http
         raw[system] = data
         left = _leftovers()
         if left:

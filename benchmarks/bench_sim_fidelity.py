@@ -90,7 +90,7 @@ def measure(args) -> dict:
 
     manifest = load_manifest(MANIFEST)
     ttft_slo_s, itl_slo_s = manifest.slo.ttft_ms / 1e3, manifest.slo.itl_ms / 1e3
-    cluster = LocalCluster(manifest.local_cluster).start(progress=_log)
+    cluster = LocalCluster.for_manifest(manifest).start(progress=_log)
     try:
         connect(cluster.address)
         url, model = deploy(manifest, progress=_log).url, manifest.model.name

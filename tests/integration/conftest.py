@@ -189,7 +189,7 @@ def stack(tmp_path_factory, reference_outputs) -> Stack:
     from monitoring.alerts import alert_rules
     from monitoring.local_prometheus import LocalPrometheus
 
-    cluster = LocalCluster(manifest.local_cluster, ClusterPorts(TEST_GCS_PORT, TEST_DASHBOARD_PORT, TEST_METRICS_BASE))
+    cluster = LocalCluster.for_manifest(manifest, ClusterPorts(TEST_GCS_PORT, TEST_DASHBOARD_PORT, TEST_METRICS_BASE))
     cluster.start(progress=_log)
     # Started with the cluster so it sees every test's traffic (and the failures some provoke).
     prometheus = LocalPrometheus(port=TEST_PROMETHEUS_PORT, scrape_interval_s=2.0, workdir=tmp_path_factory.mktemp("prom"),

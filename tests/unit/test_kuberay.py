@@ -379,14 +379,17 @@ def test_malformed_documents_get_problems_not_exceptions(doc):
     assert problems and all(isinstance(p, str) and p.startswith("$") for p in problems)
 
 
-def test_throughput_optimized_serve_reaches_every_pod_and_only_when_asked():
+def test_the_manifests_serve_front_reaches_every_pod():
     def env_of(doc) -> list[dict]:
         cluster = doc["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
         return [pod["template"]["spec"]["containers"][0].get("env", []) for pod in pods]
 
-    flag = {"name": "RAY_SERVE_THROUGHPUT_OPTIMIZED", "value": "1"}
-    assert all(flag not in env for env in env_of(_rayservice(_data(PD_EP))))
+    throughput = {"name": "RAY_SERVE_THROUGHPUT_OPTIMIZED", "value": "1"}
+    haproxy = {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
+    assert all(throughput in env and haproxy in env for env in env_of(_rayservice(_data(PD_EP))))
     data = _data(PD_EP)
+    data["http"]["front"] = "serve_proxy"
+    assert all(throughput not in env and haproxy not in env for env in env_of(_rayservice(data)))
     data["http"]["throughput_optimized"] = True
-    assert all(flag in env for env in env_of(_rayservice(data)))
+    assert all(throughput in env and haproxy not in env for env in env_of(_rayservice(data)))

@@ -389,10 +389,27 @@ def test_a_loopback_endpoint_may_stay_open(host):
     assert not parse_manifest(data).http.auth.enabled
 
 
-def test_throughput_optimized_serve_is_off_by_default_and_becomes_the_ray_environment():
-    from cluster.manifest_http import serve_environment
+def test_the_front_is_haproxy_by_default_and_each_front_becomes_its_ray_environment():
+    from cluster.manifest_http import missing_serve_environment, serve_environment
 
-    assert serve_environment(parse_manifest(raw(LOCAL)).http) == {}
+    haproxy = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    manifest = parse_manifest(raw(LOCAL))
+    assert manifest.http.front == "haproxy"
+    assert serve_environment(manifest.http) == haproxy
     data = copy.deepcopy(raw(LOCAL))
+    data["http"]["front"] = "serve_proxy"
+    assert serve_environment(parse_manifest(data).http) == {}
     data["http"]["throughput_optimized"] = True
     assert serve_environment(parse_manifest(data).http) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    # deploy warns about what a cluster's environment lacks (or sets otherwise)
+    assert missing_serve_environment(manifest.http, {}) == haproxy
+    assert missing_serve_environment(manifest.http, {**haproxy, "RAY_SERVE_ENABLE_HA_PROXY": "0"}) == \
+        {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert missing_serve_environment(manifest.http, dict(haproxy)) == {}
+
+
+def test_an_unknown_front_is_refused_naming_the_choices():
+    data = copy.deepcopy(raw(LOCAL))
+    data["http"]["front"] = "nginx"
+    with pytest.raises(ManifestError, match=r"http\.front.*haproxy.*serve_proxy"):
+        parse_manifest(data)
