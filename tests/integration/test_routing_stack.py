@@ -140,3 +140,13 @@ def test_a_burst_of_three_times_the_bound_gets_fast_429s_and_the_admitted_all_co
     assert slowest_rejection < 2.0
     after = _complete(base_url, model, [5] * 64)  # every place was given back
     assert after.status_code == 200, after.text
+
+
+def test_the_colocated_replicas_answer_every_openai_feature_as_vllms_server_does(app, vllm_feature_answers):
+    """The colocated path (engine replicas behind the prefix router, no KV transfer) gives the
+    answers the P/D + EP path is held to in test_openai_features.py."""
+    from tests.integration.openai_features import FEATURES, ask, assert_same_answer
+
+    base_url, model = app
+    for feature in FEATURES:
+        assert_same_answer(feature, ask(base_url, model, feature, api_key=API_KEY), vllm_feature_answers[feature])

@@ -1,4 +1,4 @@
-"""The pure parts of benchmarks/bench_serving.py: parsing `vllm bench serve` results, medians,
+"""The pure parts of benchmarks/bench_serving.py and serving_client.py: parsing `vllm bench serve` results, medians,
 ratios, the table and the client command. No cluster, no server."""
 
 from __future__ import annotations
@@ -7,16 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench_serving import (
-    bench_command,
-    format_table,
-    median_or_none,
-    parse_bench_result,
-    parse_sse_chunks,
-    ratio,
-    summarize_rounds,
-    with_ratios,
-)
+from benchmarks.bench_serving import format_table, median_or_none, ratio, summarize_rounds, with_ratios
+from benchmarks.serving_client import bench_command, parse_bench_result, parse_sse_chunks
 
 
 def _result(rps=10.0, ttft=30.0, tpot=6.0, completed=64, failed=0, rate="inf"):
@@ -160,3 +152,38 @@ def test_vllm_cli_version_lookup_falls_back_to_the_cpu_distribution():
         raise importlib.metadata.PackageNotFoundError(name)
 
     assert installed_version(nothing) is None
+
+
+def test_every_baseline_runs_the_colocated_manifests_engine_settings():
+    """Ray Serve LLM and the plain vLLM server get the same engine fields and KV space as the
+    manifest's engine replica, so the table compares serving layers, not engines."""
+    from benchmarks.serving_baselines import COLOCATED, plain_server_command, serve_llm_config
+    from benchmarks.serving_client import _manifest
+    from deployments.engine.vllm_engine import engine_args_dict
+
+    manifest = _manifest(COLOCATED, {"front": "serve_proxy"})
+    engine = manifest.pools[0].engine
+    fields = engine_args_dict(manifest.model.model_dump(), engine.model_dump(), "/ckpt")
+    config = serve_llm_config(manifest, "/ckpt")
+    assert config["model_loading_config"] == {"model_id": manifest.model.name, "model_source": "/ckpt"}
+    assert config["engine_kwargs"] == {k: v for k, v in fields.items()
+                                       if k not in ("model", "tokenizer", "served_model_name")}
+    assert config["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == str(engine.cpu_kvcache_space_gib)
+    cmd, env = plain_server_command(manifest, "/ckpt", 9999)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(engine.cpu_kvcache_space_gib)
+    assert cmd[cmd.index("--max-model-len") + 1] == str(fields["max_model_len"])
+
+
+def test_cpu_per_request_is_the_median_per_part_over_rounds_and_tabled_per_system():
+    from benchmarks.bench_serving import format_cpu_table, median_by_key
+
+    rounds = [{"saturation": {**_parsed(), "cpu_ms_per_request": {"HAProxy": 1.0, "total": 5.0}}},
+              {"saturation": {**_parsed(), "cpu_ms_per_request": {"HAProxy": 3.0, "total": 9.0,
+                                                                     "Serve HTTP proxy": 2.0}}},
+              {"saturation": None}]
+    assert median_by_key((r.get("saturation") or {}).get("cpu_ms_per_request") for r in rounds) == \
+        {"HAProxy": 2.0, "Serve HTTP proxy": 2.0, "total": 7.0}
+    table = format_cpu_table({"a": {"cpu_ms_per_request": {"HAProxy": 2.0, "total": 7.0}}, "b": {}}, {"a": "A"})
+    assert table.splitlines()[0] == "| system | HAProxy | total |"
+    assert table.splitlines()[2] == "| A | 2.0 | 7.0 |"
+    assert len(table.splitlines()) == 3  # a system without numbers gets no row
