@@ -210,6 +210,11 @@ class KVTransferSpec(_Strict):
     """Conditional disaggregation: prompts shorter than this are prefilled by decode itself (no
     remote prefill, no transfer: shipping a few blocks costs more than computing them where they
     are needed). 0: every prompt goes through the prefill pool."""
+    local_prefill_hit_fraction: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Conditional disaggregation by cache: decode is chosen first (its pool's prefix router),
+    and when that replica's prefix cache holds at least this fraction of the prompt, it prefills
+    the rest itself instead of pulling it from a prefill replica. Needs the decode pool's
+    `routing.policy: prefix` and `engine.enable_prefix_caching: true`. None: off."""
 
 
 class KVPoolSpec(_Strict):
@@ -299,6 +304,13 @@ class Manifest(_Strict):
                     f"not shorter than lease_s={self.kv_transfer.lease_s:g}: no pull could ever start",
                     "make lease_s several times transfer_timeout_s (e.g. 30 and 5)"))
             prefill, decode = self.pool_with_role(PoolRole.prefill), self.pool_with_role(PoolRole.decode)
+            if self.kv_transfer.local_prefill_hit_fraction is not None and not (
+                    decode.routing.policy == "prefix" and decode.engine.enable_prefix_caching):
+                problems.append(ManifestIssue(
+                    "kv_transfer.local_prefill_hit_fraction", self.kv_transfer.local_prefill_hit_fraction,
+                    "needs to know what the decode replicas' prefix caches hold",
+                    f"set pools[{self.pools.index(decode)}].routing.policy: prefix and "
+                    "engine.enable_prefix_caching: true on the decode pool, or remove it"))
             if prefill.engine.block_size != decode.engine.block_size:
                 problems.append(ManifestIssue(
                     "pools[].engine.block_size", [prefill.engine.block_size, decode.engine.block_size],

@@ -254,4 +254,5 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
            metrics=manifest.observability.metrics, admission=admission_limits,
            priority_header=admission.priority_header,
            local_prefill_below_tokens=manifest.kv_transfer.local_prefill_below_tokens,
-           request_timeouts=effective_timeouts(manifest))
+           local_prefill_hit_fraction=manifest.kv_transfer.local_prefill_hit_fraction if manifest.disaggregated else None,
+           decode_pool=serving.name, request_timeouts=effective_timeouts(manifest))

@@ -3,7 +3,11 @@
 prefill replica: run the prompt, keep the KV blocks, return TransferParams
 decode replica:  admit the request with them, pull the blocks, decode, stream tokens
 
-Serve's router picks each replica (power of two choices on queue length).
+Each pool's router picks its replica when the call is made (after the prefill, for decode).
+With `local_hit_fraction` (manifest kv_transfer.local_prefill_hit_fraction) decode is chosen
+first instead, by its pool's router in this process: when that replica's prefix cache holds at
+least that fraction of the prompt, it prefills the rest itself and no prefill replica is asked
+(deployments/routing/pairing.py, rule 2); either way the decode call goes to the replica chosen.
 
 Who frees the prefill's blocks: from the moment the prefill is asked for, this client owns its
 lease until decode admits the request. If the caller goes away during the prefill, the prefill
@@ -27,6 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.engine_client import HandleEngineClient
+from deployments.routing.pairing import DisaggregationRule, local_prefill_reason
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, TokenDelta
 from deployments.stream_deadlines import result_within, wait_expired
 
@@ -35,21 +40,33 @@ logger = logging.getLogger(__name__)
 
 class DisaggregatedEngineClient:
     def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False,
-                 local_prefill_below_tokens: int = 0, on_decision: Any = None, prefill_timeout_s: float = 120.0):
+                 local_prefill_below_tokens: int = 0, on_decision: Any = None, prefill_timeout_s: float = 120.0,
+                 local_hit_fraction: float | None = None, decode_router: Any = None):
         """`on_decision(reason)`: told for each request whether its prefill ran remotely ("remote")
-        or on decode ("local_short_prompt"); `prefill_timeout_s`: the bound on the prefill's result."""
+        or on decode ("local_short_prompt", "decode_holds_prefix"); `prefill_timeout_s`: the bound
+        on the prefill's result; `decode_router()`: the decode pool's router in this process (with
+        `decide(prompt_token_ids, session_id)` and `block_size`), or None while it has none."""
         self._prefill = prefill_handle
         self._decode = HandleEngineClient(decode_handle)
         self._allow_fault_injection = allow_fault_injection
         self._local_below = local_prefill_below_tokens
         self._on_decision = on_decision or (lambda reason: None)
         self._prefill_timeout_s = prefill_timeout_s
+        self._rule = None if local_hit_fraction is None else \
+            DisaggregationRule(min_uncached_tokens=0, local_hit_fraction=local_hit_fraction)
+        self._decode_router = decode_router or (lambda: None)
 
     async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False,
                      trace: Any = None) -> AsyncIterator[TokenDelta | EngineFailure]:
         """`trace`: the ingress's monitoring.request_metrics.RequestTrace, told when prefill is done."""
         if len(request.prompt_token_ids) < self._local_below:
             self._on_decision("local_short_prompt")
+            async for item in self._decode.stream(request):
+                yield item
+            return
+        request, local_reason = self._route_decode_first(request)
+        if local_reason is not None:
+            self._on_decision(local_reason)
             async for item in self._decode.stream(request):
                 yield item
             return
@@ -90,6 +107,17 @@ class DisaggregatedEngineClient:
                 # Decode never produced anything: it may never have pulled. Releasing twice is
                 # harmless (the prefill side ignores unknown leases), leaking blocks is not.
                 asyncio.ensure_future(self._release(params))
+
+    def _route_decode_first(self, request: EngineRequest) -> tuple[EngineRequest, str | None]:
+        """(the request routed to its decode replica, why decode prefills it itself or None)."""
+        router = self._decode_router() if self._rule is not None else None
+        if router is None:
+            return request, None
+        decision = router.decide(request.prompt_token_ids, request.session_id)
+        if decision is None:
+            return request, None
+        reason = local_prefill_reason(decision, len(request.prompt_token_ids), router.block_size, 0, self._rule)
+        return replace(request, route_to=decision.replica_id), reason
 
     def _release_when_done(self, prefill_task: asyncio.Future) -> None:
         """The caller left during its prefill: free the blocks the prefill ends up holding."""

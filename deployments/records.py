@@ -37,6 +37,9 @@ class EngineRequest:
     sampling: Any  # vllm.SamplingParams from the ingress's render (n == 1), or a SamplingSpec
     kv_transfer_params: dict | None = None  # decode: where to pull the prompt's KV (TransferParams)
     session_id: str | None = None  # the client's conversation, for session-affine routing
+    # The replica the pool's router already chose for this request (a Serve replica id): decode
+    # is chosen before the prefill runs, so the choice is made once and carried to the call.
+    route_to: str | None = None
 
 
 @dataclass(frozen=True)

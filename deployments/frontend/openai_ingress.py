@@ -42,11 +42,22 @@ GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
                      ("POST", "/v1/chat/completions"): "chat_completions"}
 
 
+def _router_lookup(pool: str):
+    """The decode pool's router in this process, when it has our policy router (by name)."""
+    def lookup():
+        from deployments.routing.serve_router import router_for
+
+        return router_for(pool)
+
+    return lookup
+
+
 class OpenAIIngress:
     def __init__(self, engine: Any, model: dict, http: dict, model_path: str, tokenizer: Any = None,
                  prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
                  metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority",
-                 local_prefill_below_tokens: int = 0, front: Any = None, request_timeouts: dict | None = None):
+                 local_prefill_below_tokens: int = 0, front: Any = None, request_timeouts: dict | None = None,
+                 local_prefill_hit_fraction: float | None = None, decode_pool: str = "decode"):
         """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
         metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter;
         admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything;
@@ -64,7 +75,8 @@ class OpenAIIngress:
             self._engine = DisaggregatedEngineClient(
                 prefill, engine, allow_fault_injection=allow_fault_injection,
                 local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision,
-                prefill_timeout_s=self._timeouts.prefill_timeout_s)
+                prefill_timeout_s=self._timeouts.prefill_timeout_s, local_hit_fraction=local_prefill_hit_fraction,
+                decode_router=_router_lookup(decode_pool))
         else:
             self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]

@@ -29,6 +29,18 @@ class DisaggregationRule:
     queued_request_blocks: float = 8.0
 
 
+def local_prefill_reason(decode: RouteDecision, prompt_tokens: int, block_size: int, pool_hit_blocks: int,
+                         rule: DisaggregationRule) -> str | None:
+    """Why decode should compute the prompt itself (rule 2 above), or None for a remote prefill."""
+    cached_blocks = max(decode.expected_hit_blocks, pool_hit_blocks)
+    uncached = max(prompt_tokens - cached_blocks * block_size, 0)
+    if uncached < rule.min_uncached_tokens:
+        return "short_uncached"
+    if decode.expected_hit_blocks * block_size >= rule.local_hit_fraction * prompt_tokens:
+        return "decode_holds_prefix"
+    return None
+
+
 @dataclass(frozen=True)
 class PairDecision:
     decode: RouteDecision
@@ -51,12 +63,10 @@ class PairRouter:
         decode = self.decode_policy.choose(request, decodes, now_s)
         if decode is None:
             return None
-        cached_blocks = max(decode.expected_hit_blocks, pool_hit_blocks)
-        uncached = max(prompt_tokens - cached_blocks * self.block_size, 0)
-        if uncached < self.rule.min_uncached_tokens:
-            return PairDecision(decode, None, "short_uncached", uncached)
-        if decode.expected_hit_blocks * self.block_size >= self.rule.local_hit_fraction * prompt_tokens:
-            return PairDecision(decode, None, "decode_holds_prefix", uncached)
+        uncached = max(prompt_tokens - max(decode.expected_hit_blocks, pool_hit_blocks) * self.block_size, 0)
+        local = local_prefill_reason(decode, prompt_tokens, self.block_size, pool_hit_blocks, self.rule)
+        if local is not None:
+            return PairDecision(decode, None, local, uncached)
         prefill = self._choose_prefill(request, prefills, pool_hit_blocks, now_s)
         if prefill is None:
             return PairDecision(decode, None, "no_prefill_replica", uncached)

@@ -8,10 +8,18 @@ policy; the chosen replica is ranked first and the rest follow in score order, s
 back to them if the first refuses. Calls that carry no prompt (health, stats, lease release)
 go to the least loaded replica. Decisions are kept as counts by policy and reason, and the
 latency of each decision, for `stats()`.
+
+A request may arrive already routed (`EngineRequest.route_to`): the disaggregated client asks the
+decode pool's router to `decide` before the prefill runs (so it can skip the prefill when that
+replica holds the prompt), and the call then goes where that decision said, while the replica is
+still a candidate. Routers register by pool name in their process for that lookup
+(`router_for`). Serve may run routers on their own event loop thread, so the policy, which keeps
+state, is only called under a lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -20,9 +28,16 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from deployments.routing.block_hashes import prompt_block_hashes
 from deployments.routing.policies import make_policy
-from deployments.routing.state import ReplicaState, RoutingRequest
+from deployments.routing.state import ReplicaState, RouteDecision, RoutingRequest
 
 SESSION_KEY = "session_id"
+ROUTE_TO_KEY = "route_to"
+_ROUTERS: dict[str, "PolicyRequestRouter"] = {}  # pool name -> this process's router for that pool
+
+
+def router_for(pool: str) -> "PolicyRequestRouter | None":
+    """This process's router for `pool`, once its handle has routed a first call."""
+    return _ROUTERS.get(pool)
 
 
 def routing_request(pending: PendingRequest | None, block_size: int, max_blocks: int) -> RoutingRequest | None:
@@ -64,25 +79,55 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         self._max_blocks = max_blocks
         self.decisions: Counter[str] = Counter()
         self.decision_s: list[float] = []
+        self._policy_lock = threading.Lock()
+        _ROUTERS[pool] = self
+
+    @property
+    def block_size(self) -> int:
+        return reported_block_size(list(self.curr_replicas.values()), self._block_size)
+
+    def decide(self, prompt_token_ids: list[int], session_id: str | None = None) -> RouteDecision | None:
+        """Route a request now, before it is sent (the caller carries the replica id in
+        `EngineRequest.route_to`). None when no replica is known yet."""
+        replicas = list(self.curr_replicas.values())
+        if not replicas:
+            return None
+        cache = self.replica_queue_len_cache
+        states = [replica_state(r, cache.get(r.replica_id)) for r in replicas]
+        request = RoutingRequest(prompt_block_hashes(prompt_token_ids, self.block_size, self._max_blocks), session_id)
+        return self._decide(request, states)
+
+    def _decide(self, request: RoutingRequest, states: list[ReplicaState]) -> RouteDecision | None:
+        started = time.perf_counter()
+        with self._policy_lock:
+            decision = self._policy.choose(request, states, time.time())
+        if decision is not None:
+            self.decisions[decision.reason] += 1
+            self.decision_s.append(time.perf_counter() - started)
+            del self.decision_s[:-10_000]
+            self._export(decision, request)
+        return decision
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        started = time.perf_counter()
         cache = self.replica_queue_len_cache
         states = [replica_state(r, cache.get(r.replica_id)) for r in candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_load = sorted(states, key=lambda s: (s.ongoing + s.queued, s.replica_id))
+        routed_to = getattr(pending_request.args[0], ROUTE_TO_KEY, None) if pending_request and pending_request.args \
+            else None
+        if routed_to in by_id:  # decided before the call (decide()): counted there
+            self.decisions["decided_before"] += 1
+            return [[by_id[routed_to]], *([by_id[s.replica_id]] for s in by_load if s.replica_id != routed_to)]
         block_size = reported_block_size(candidate_replicas, self._block_size)
         request = routing_request(pending_request, block_size, self._max_blocks)
         if request is None:
-            ranked = sorted(states, key=lambda s: (s.ongoing + s.queued, s.replica_id))
-            return [[by_id[s.replica_id]] for s in ranked]
-        decision = self._policy.choose(request, states, time.time())
-        self.decisions[decision.reason] += 1
-        self.decision_s.append(time.perf_counter() - started)
-        del self.decision_s[:-10_000]
-        self._export(decision, request)
+            return [[by_id[s.replica_id]] for s in by_load]
+        decision = self._decide(request, states)
+        if decision is None:
+            return [[by_id[s.replica_id]] for s in by_load]
         rest = sorted((s for s in states if s.replica_id != decision.replica_id),
                       key=lambda s: (-decision.scores.get(s.replica_id, 0.0), s.ongoing + s.queued, s.replica_id))
         return [[by_id[decision.replica_id]], *([by_id[s.replica_id]] for s in rest)]

@@ -195,3 +195,53 @@ def test_a_prompt_below_the_local_prefill_threshold_skips_the_prefill_pool(monke
                      on_decision=decisions.append)
     asyncio.run(_drain(client.stream(REQUEST)))
     assert decisions == ["local_short_prompt", "remote"] and prefill.calls == 1
+
+
+class FakeDecodeRouter:
+    """The decode pool's router as the client sees it: decide() and the engines' block size."""
+
+    def __init__(self, hit_blocks: int, block_size: int = 16):
+        from deployments.routing.state import RouteDecision
+
+        self.block_size = block_size
+        self.decision = RouteDecision("decode-replica-b", "prefix", hit_blocks)
+        self.asked: list[tuple[list[int], str | None]] = []
+
+    def decide(self, prompt_token_ids, session_id=None):
+        self.asked.append((prompt_token_ids, session_id))
+        return self.decision
+
+
+LONG = EngineRequest("r-2", list(range(100)), SamplingSpec(max_tokens=4), session_id="chat-1")
+
+
+def test_decode_holding_most_of_the_prompt_prefills_it_itself_on_the_replica_chosen_first(monkeypatch):
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 100, 0.01))
+    decode = FakeDecodeClient([DELTA])
+    router, decisions = FakeDecodeRouter(hit_blocks=5), []  # 80 of 100 tokens cached
+    client = _client(prefill, decode, monkeypatch, local_hit_fraction=0.8, decode_router=lambda: router,
+                     on_decision=decisions.append)
+    assert asyncio.run(_drain(client.stream(LONG))) == [DELTA]
+    assert prefill.calls == 0 and decisions == ["decode_holds_prefix"]
+    assert decode.requests[0].route_to == "decode-replica-b" and decode.requests[0].kv_transfer_params is None
+    assert router.asked == [(LONG.prompt_token_ids, "chat-1")]
+
+
+def test_decode_holding_less_gets_a_remote_prefill_and_is_still_the_replica_chosen_first(monkeypatch):
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 100, 0.01))
+    decode = FakeDecodeClient([DELTA])
+    router, decisions = FakeDecodeRouter(hit_blocks=4), []  # 64 of 100: below 0.8
+    client = _client(prefill, decode, monkeypatch, local_hit_fraction=0.8, decode_router=lambda: router,
+                     on_decision=decisions.append)
+    asyncio.run(_drain(client.stream(LONG)))
+    assert prefill.calls == 1 and decisions == ["remote"]
+    assert decode.requests[0].route_to == "decode-replica-b" and decode.requests[0].kv_transfer_params == PARAMS
+
+
+def test_without_the_setting_or_before_the_router_exists_decode_is_routed_at_the_call(monkeypatch):
+    for kwargs in ({"decode_router": lambda: FakeDecodeRouter(hit_blocks=7)},   # setting off
+                   {"local_hit_fraction": 0.8, "decode_router": lambda: None}):  # no router yet
+        prefill = FakePrefillHandle(PrefillResult(PARAMS, 100, 0.01))
+        decode = FakeDecodeClient([DELTA])
+        asyncio.run(_drain(_client(prefill, decode, monkeypatch, **kwargs).stream(LONG)))
+        assert prefill.calls == 1 and decode.requests[0].route_to is None

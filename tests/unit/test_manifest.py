@@ -413,3 +413,18 @@ def test_an_unknown_front_is_refused_naming_the_choices():
     data["http"]["front"] = "nginx"
     with pytest.raises(ManifestError, match=r"http\.front.*haproxy.*serve_proxy"):
         parse_manifest(data)
+
+
+def test_local_prefill_by_hit_fraction_needs_to_know_what_decode_caches():
+    data = copy.deepcopy(raw(LOCAL))
+    data["kv_transfer"]["local_prefill_hit_fraction"] = 0.8
+    decode = next(p for p in data["pools"] if p["role"] == "decode")
+    decode["engine"]["enable_prefix_caching"] = False
+    with pytest.raises(ManifestError, match=r"kv_transfer\.local_prefill_hit_fraction.*enable_prefix_caching"):
+        parse_manifest(data)
+    decode["engine"]["enable_prefix_caching"] = True
+    decode["routing"] = {"policy": "prefix"}
+    assert parse_manifest(data).kv_transfer.local_prefill_hit_fraction == 0.8
+    data["kv_transfer"]["local_prefill_hit_fraction"] = 1.5
+    with pytest.raises(ManifestError, match=r"local_prefill_hit_fraction"):
+        parse_manifest(data)

@@ -58,3 +58,50 @@ def test_the_ingress_returns_the_engines_cached_token_count():
     with client:
         body = client.post("/v1/completions", json={"model": MODEL["name"], "prompt": "hi"}).json()
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def _router(policy: str = "prefix"):
+    from deployments.routing.serve_router import PolicyRequestRouter
+
+    router = PolicyRequestRouter.__new__(PolicyRequestRouter)  # Serve's constructor needs a controller
+    router.initialize_state(policy=policy, block_size=16, max_blocks=64, pool="decode-test", metrics=False)
+    return router
+
+
+def _replica(rid: str):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    return SimpleNamespace(replica_id=ReplicaID(rid, DeploymentID("decode", "app")), routing_stats={})
+
+
+def test_a_request_decided_before_its_call_goes_to_that_replica_while_it_is_a_candidate(monkeypatch):
+    from deployments.routing import serve_router
+
+    router = _router()
+    replicas = [_replica("a"), _replica("b"), _replica("c")]
+    monkeypatch.setattr(serve_router.PolicyRequestRouter, "replica_queue_len_cache", property(lambda self: {}))
+    request = EngineRequest("r1", list(range(40)), SamplingSpec(max_tokens=4), route_to="b")
+    ranked = asyncio.run(router.choose_replicas(replicas, pending(request)))
+    assert [group[0].replica_id.unique_id for group in ranked][0] == "b"
+    assert sorted(g[0].replica_id.unique_id for g in ranked) == ["a", "b", "c"]
+    assert router.decisions["decided_before"] == 1
+    gone = replace(request, route_to="z")  # replaced since: routed by the policy as usual
+    ranked = asyncio.run(router.choose_replicas(replicas, pending(gone)))
+    assert router.decisions["decided_before"] == 1 and sum(router.decisions.values()) == 2
+    assert serve_router.router_for("decode-test") is router
+
+
+def test_decide_routes_with_the_policy_over_the_current_replicas(monkeypatch):
+    from deployments.routing import serve_router
+
+    router = _router()
+    replicas = {r.replica_id.unique_id: r for r in (_replica("a"), _replica("b"))}
+    monkeypatch.setattr(serve_router.PolicyRequestRouter, "replica_queue_len_cache", property(lambda self: {}))
+    monkeypatch.setattr(serve_router.PolicyRequestRouter, "curr_replicas", property(lambda self: replicas))
+    prompt = list(range(64))
+    first = router.decide(prompt, "s")
+    again = router.decide(prompt, "s")
+    assert first.replica_id in replicas and again.replica_id == first.replica_id
+    assert again.expected_hit_blocks == 4  # the router remembers what it sent there: 64 tokens = 4 blocks
+    replicas.clear()
+    assert router.decide(prompt) is None
