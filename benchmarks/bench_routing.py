@@ -13,6 +13,12 @@ p50/p90/p99 of turns 2+, goodput (turns within the TTFT SLO per second), and the
 own decision latency (p50/p99 over synthetic 8-replica states). Then a burst of three times
 the admission bound at the prefix application: how fast the excess gets its 429.
 Writes benchmarks/results/routing.json.
+
+    .venv/bin/python -m benchmarks.bench_routing --burst-only --rounds 5
+
+Only the burst, for each HTTP front in turn (`--fronts`, default HAProxy then Serve's Python
+proxy): its own cluster with the prefix application, a warm-up, then --rounds bursts; 429
+latency percentiles over all rounds. Writes benchmarks/results/routing-burst.json.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def app_manifest(policy: str, args) -> dict:
     data = yaml.safe_load((REPO / "manifests" / "local.yaml").read_text())
     data["name"] = f"route-{policy.replace('_', '-')}"
     data["model"]["max_model_len"] = 4096
-    data["http"].update(route_prefix=f"/{data['name']}", port=HTTP_PORT)
+    data["http"].update(route_prefix=f"/{data['name']}", port=HTTP_PORT, front=args.front)
     data["kv_pool"] = {"enabled": False}
     data["admission"] = {"max_queued_per_replica": args.queued_per_replica}
     decode = data["pools"][1]
@@ -130,7 +136,7 @@ def decision_latency(samples: int = 5000) -> dict:
     return {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6}
 
 
-async def burst(url: str, model: str, count: int) -> dict:
+async def burst(url: str, model: str, count: int, keep_times: bool = False) -> dict:
     import httpx
 
     async def one(client, index):
@@ -143,11 +149,65 @@ async def burst(url: str, model: str, count: int) -> dict:
         results = await asyncio.gather(*(one(client, i) for i in range(count)))
     rejected = sorted(s for code, s in results if code == 429)
     admitted = sorted(s for code, s in results if code == 200)
-    return {"requests": count, "admitted": len(admitted), "rejected": len(rejected),
-            "other": count - len(admitted) - len(rejected),
-            "reject_p50_ms": rejected[len(rejected) // 2] * 1e3 if rejected else None,
-            "reject_p99_ms": rejected[int(0.99 * (len(rejected) - 1))] * 1e3 if rejected else None,
-            "admitted_p50_s": admitted[len(admitted) // 2] if admitted else None}
+    out = {"requests": count, "admitted": len(admitted), "rejected": len(rejected),
+           "other": count - len(admitted) - len(rejected),
+           "reject_p50_ms": rejected[len(rejected) // 2] * 1e3 if rejected else None,
+           "reject_p99_ms": rejected[int(0.99 * (len(rejected) - 1))] * 1e3 if rejected else None,
+           "admitted_p50_s": admitted[len(admitted) // 2] if admitted else None}
+    if keep_times:
+        out.update(reject_times_s=rejected, admit_times_s=admitted)
+    return out
+
+
+def burst_by_front(args) -> int:
+    """The admission burst alone, once per HTTP front, each on a cluster of its own."""
+    from cluster.local_cluster import LocalCluster
+    from cluster.manifest import parse_manifest
+    from cluster.serve_control import connect, deploy
+
+    bound = 2 * (args.max_num_seqs + args.queued_per_replica)
+    rows = {}
+    for front in args.fronts.split(","):
+        args.front = front
+        manifest = parse_manifest(app_manifest("prefix", args), f"prefix ({front})")
+        cluster = LocalCluster.for_manifest(manifest).start(progress=_log)
+        try:
+            connect(cluster.address)
+            url = deploy(manifest, progress=_log).url
+            model = manifest.model.name
+            asyncio.run(burst(url, model, 4))  # warm-up: connections, first compiled paths
+            bursts = []
+            for index in range(args.rounds):
+                time.sleep(3)  # the previous burst's admitted requests drain
+                bursts.append(asyncio.run(burst(url, model, 3 * bound, keep_times=True)))
+                _log(f"{front} burst {index + 1}: {bursts[-1]['admitted']} admitted, {bursts[-1]['rejected']} 429 "
+                     f"(p99 {bursts[-1]['reject_p99_ms']:.0f} ms)")
+        finally:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
+        rejected = sorted(t for b in bursts for t in b.pop("reject_times_s"))
+        admitted = sorted(t for b in bursts for t in b.pop("admit_times_s"))
+        rows[front] = {"bursts": bursts, "rejected": len(rejected), "admitted": len(admitted),
+                       "reject_p50_ms": _pct(rejected, 0.5) * 1e3, "reject_p99_ms": _pct(rejected, 0.99) * 1e3,
+                       "admitted_p50_s": _pct(admitted, 0.5)}
+    print(f"\nbursts of {3 * bound} requests at once (3x the admission bound of {bound}), {args.rounds} per front\n")
+    print("| front | admitted | 429 | 429 p50 ms | 429 p99 ms | admitted p50 s |\n|---|---:|---:|---:|---:|---:|")
+    for front, row in rows.items():
+        print(f"| {front} | {row['admitted']} | {row['rejected']} | {row['reject_p50_ms']:.0f} | "
+              f"{row['reject_p99_ms']:.0f} | {row['admitted_p50_s']:.2f} |")
+    out = Path(args.out).with_name("routing-burst.json") if args.out == str(RESULTS / "routing.json") else Path(args.out)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "cpus": os.cpu_count(), "args": vars(args), "fronts": rows}, indent=1, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[int(q * (len(values) - 1))] if values else float("nan")
 
 
 def main() -> int:
@@ -165,8 +225,14 @@ def main() -> int:
     parser.add_argument("--queued-per-replica", type=int, default=8)
     parser.add_argument("--engine-blocks", type=int, default=256, help="each engine's KV cache, 128-token blocks")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000)
+    parser.add_argument("--front", default="haproxy", choices=["haproxy", "serve_proxy"],
+                        help="the applications' http.front")
+    parser.add_argument("--burst-only", action="store_true", help="only the admission burst, once per --fronts")
+    parser.add_argument("--fronts", default="haproxy,serve_proxy")
     parser.add_argument("--out", default=str(RESULTS / "routing.json"))
     args = parser.parse_args()
+    if args.burst_only:
+        return burst_by_front(args)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from cluster.local_cluster import LocalCluster

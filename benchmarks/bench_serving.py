@@ -49,7 +49,7 @@ from pathlib import Path
 
 from benchmarks.serving_baselines import measure_plain_vllm, measure_ray_serve_llm
 from benchmarks.serving_client import (MEASUREMENTS, OFFLINE_ENV, WARMUP_SEED, _log, _manifest, client_command,
-                                       measure, probe)
+                                       measure, probe, stop_local_cluster)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -231,16 +231,7 @@ def measure_moe_serve(system: str, manifest_path: Path, args) -> dict:
         out["rounds"] = measure(url, model_path, manifest.model.name, args, system)
         return out
     finally:
-        import ray
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        except Exception as exc:
-            _log(f"serve.shutdown: {type(exc).__name__}: {exc}")
-        ray.shutdown()
-        cluster.shutdown()
-        _log(f"{system}: cluster stopped")
+        stop_local_cluster(cluster, system)
 
 
 def measure_one(system: str, args) -> dict:

@@ -13,7 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.serving_client import OFFLINE_ENV, _log, _manifest, _offline_env, measure, probe
+from benchmarks.serving_client import (OFFLINE_ENV, _log, _manifest, _offline_env, measure, probe,
+                                       stop_local_cluster)
 
 REPO = Path(__file__).resolve().parent.parent
 COLOCATED = REPO / "manifests" / "local-colocated.yaml"
@@ -175,13 +176,4 @@ def measure_ray_serve_llm(system: str, http: dict, args) -> dict:
         out["rounds"] = measure(url, model_path, manifest.model.name, args, system)
         return out
     finally:
-        import ray
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        except Exception as exc:
-            _log(f"serve.shutdown: {type(exc).__name__}: {exc}")
-        ray.shutdown()
-        cluster.shutdown()
-        _log(f"{system}: cluster stopped")
+        stop_local_cluster(cluster, system)

@@ -186,3 +186,17 @@ def _manifest(path: Path, http: dict | None = None):
     data = yaml.safe_load(path.read_text())
     data["http"] = {**data.get("http", {}), **(http or {})}
     return parse_manifest(data, str(path))
+
+
+def stop_local_cluster(cluster, tag: str) -> None:
+    """Serve, this driver and the LocalCluster, in that order, whatever failed before."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception as exc:
+        _log(f"serve.shutdown: {type(exc).__name__}: {exc}")
+    ray.shutdown()
+    cluster.shutdown()
+    _log(f"{tag}: cluster stopped")
