@@ -65,11 +65,11 @@ class HTTPSpec(_Strict):
     hop in Python per request and per streamed chunk. Both need their variables in every Ray
     process before it starts: `moe-serve up`, the test cluster and `build --kuberay` set them; on a
     cluster you start, export `moe-serve env MANIFEST`'s output before `ray start`. Measured in
-    BENCHMARKS.md section 10 (colocated, through :8000: 0.97x of the plain vLLM server's request
-    throughput with haproxy, 0.42x with serve_proxy)."""
+    BENCHMARKS.md section 10 (colocated, through :8000: 1.07x of the plain vLLM server's request
+    throughput with haproxy, 0.42x with serve_proxy; CPU per request 76 vs 157 ms)."""
     throughput_optimized: bool = False
     """With front serve_proxy only: Serve's throughput-optimized mode behind its Python proxy
-    (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; 0.60x of the plain vLLM server's throughput). The haproxy
+    (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; 0.56x of the plain vLLM server's throughput). The haproxy
     front always runs in this mode."""
 
     @model_validator(mode="after")

@@ -212,6 +212,10 @@ class OpenAIIngress:
                             code="model_not_found")
 
     async def _generate(self, request: Request, trace: Any, *, chat: bool) -> Response:
+        # Under overload most requests are refused: refuse them before reading, parsing and
+        # rendering them (milliseconds each on the ingress's one loop), so a burst's 429s do not
+        # queue behind each other's tokenization. An admitted request takes its place below.
+        self._admit(self._priority(request), take=False)
         body = await self._json_body(request)
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object", code="invalid_body")
@@ -255,12 +259,13 @@ class OpenAIIngress:
     def _priority(self, request: Request) -> str:
         return request.headers.get(self._priority_header, "normal").strip().lower()
 
-    def _admit(self, priority: str) -> None:
-        """Take a place in the bounded queue, or raise 429 at once (never wait for one)."""
+    def _admit(self, priority: str, take: bool = True) -> None:
+        """Take a place in the bounded queue (only check for one: `take=False`), or raise 429 at
+        once (never wait for one)."""
         if self._gate is None:
             return
         try:
-            rejection = self._gate.admit(time.monotonic(), priority)
+            rejection = (self._gate.admit if take else self._gate.check)(time.monotonic(), priority)
         except ValueError as exc:
             raise bad_request(f"header {self._priority_header}: {exc}", code="invalid_priority") from None
         if rejection is not None:

@@ -42,13 +42,20 @@ class AdmissionGate:
 
     def admit(self, now_s: float, priority: str = "normal") -> Rejection | None:
         """None: admitted (call `release` when it ends). Otherwise why not, and when to retry."""
+        rejection = self.check(now_s, priority)
+        if rejection is None:
+            self.in_flight += 1
+        return rejection
+
+    def check(self, now_s: float, priority: str = "normal") -> Rejection | None:
+        """What `admit` would answer now, without taking a place: lets a server refuse before it
+        spends anything on the request (reading, parsing, tokenizing), then admit after."""
         share = self.limits.priority_queue_share.get(priority)
         if share is None:
             known = ", ".join(sorted(self.limits.priority_queue_share))
             raise ValueError(f"unknown priority {priority!r}; known: {known}")
         bound = self.limits.max_running + math.floor(share * self.limits.max_queued)
         if self.in_flight < bound:
-            self.in_flight += 1
             return None
         self.rejected_total += 1
         excess = self.in_flight - bound + 1

@@ -109,3 +109,16 @@ def test_low_priority_is_shed_first():
 def test_nonsense_limits_are_refused():
     with pytest.raises(ValueError):
         AdmissionGate(AdmissionLimits(max_running=0, max_queued=1))
+
+
+def test_a_check_answers_as_admit_would_without_taking_a_place():
+    from deployments.routing.admission import AdmissionGate, AdmissionLimits
+
+    gate = AdmissionGate(AdmissionLimits(max_running=1, max_queued=1))
+    assert gate.check(0.0) is None and gate.in_flight == 0
+    assert gate.admit(0.0) is None and gate.admit(0.0) is None and gate.in_flight == 2
+    rejection = gate.check(0.0)
+    assert rejection is not None and gate.in_flight == 2 and gate.rejected_total == 1
+    assert gate.check(0.0, "low") is not None  # low may fill half the queue: floor(0.5) = 0
+    gate.release(1.0)
+    assert gate.check(1.0) is None and gate.check(1.0, "low") is not None
