@@ -32,6 +32,7 @@ from typing import Any
 
 from deployments.engine_client import HandleEngineClient
 from deployments.routing.pairing import DisaggregationRule, local_prefill_reason
+from kv_transfer.params import TransferParams
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, TokenDelta
 from deployments.stream_deadlines import result_within, wait_expired
 
@@ -90,12 +91,12 @@ class DisaggregatedEngineClient:
         if trace is not None:
             trace.mark_prefill_done(pool_load_s=getattr(prefill, "pool_load_s", 0.0))
         assert isinstance(prefill, PrefillResult)
-        params = dict(prefill.transfer_params)
+        params = prefill.transfer_params
         if inject_transfer_failure and self._allow_fault_injection:
-            params["inject_failure"] = True
+            params = params.with_failure_injected()
         admitted = False
         try:
-            async for item in self._decode.stream(replace(request, kv_transfer_params=params)):
+            async for item in self._decode.stream(replace(request, pull=params)):
                 if not admitted and isinstance(item, TokenDelta):
                     # Decode loaded the whole prompt; what the request did not compute is what
                     # the prefill did not compute.
@@ -125,13 +126,13 @@ class DisaggregatedEngineClient:
             return  # no result, no lease (a replica that died took its blocks with it)
         result = prefill_task.result()
         if isinstance(result, PrefillResult):
-            asyncio.ensure_future(self._release(dict(result.transfer_params)))
+            asyncio.ensure_future(self._release(result.transfer_params))
 
-    async def _release(self, params: dict) -> None:
+    async def _release(self, params: TransferParams) -> None:
         try:
             await self._prefill.release.remote(params)
         except Exception as exc:
-            logger.warning("could not release prefill lease %s: %s", params.get("remote_request_id"), exc)
+            logger.warning("could not release prefill lease %s: %s", params.remote_request_id, exc)
 
     async def health(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._prefill.check_health.remote(), timeout_s)

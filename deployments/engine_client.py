@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta
+from kv_transfer.params import TransferParams
 
 
 class EngineServer(Protocol):
@@ -28,7 +29,7 @@ class EngineServer(Protocol):
         """Run the prompt only and keep its KV blocks under a lease for a decode pull."""
         ...
 
-    async def release(self, transfer_params: dict) -> None:
+    async def release(self, transfer_params: TransferParams) -> None:
         """Free a lease no decode will pull."""
         ...
 

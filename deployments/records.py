@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.params import LoadTiming
+from kv_transfer.params import LoadTiming, TransferParams
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,12 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Any  # vllm.SamplingParams from the ingress's render (n == 1), or a SamplingSpec
-    kv_transfer_params: dict | None = None  # decode: where to pull the prompt's KV (TransferParams)
+    pull: TransferParams | None = None  # decode: the prefill's leased blocks to pull before decoding
     session_id: str | None = None  # the client's conversation, for session-affine routing
     # The replica the pool's router already chose for this request (a Serve replica id): decode
     # is chosen before the prefill runs, so the choice is made once and carried to the call.
     route_to: str | None = None
+    produce_kv: bool = False  # prefill: compute the prompt and keep its KV blocks under a lease
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class EngineTiming:
 class PrefillResult:
     """A finished prefill: its KV blocks are leased on the prefill replica until decode pulls."""
 
-    transfer_params: dict  # kv_transfer.params.TransferParams.to_engine()
+    transfer_params: TransferParams
     prompt_tokens: int
     prefill_s: float
     pool_load_s: float = 0.0  # of prefill_s: reading prompt blocks from the KV pool

@@ -14,7 +14,7 @@ ingress -> decode replica) are not timed; `TRANSIT_ALLOWANCE_S` is taken off for
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 PRODUCE_KEY = "do_remote_decode"  # prefill: keep the blocks and return TransferParams
@@ -58,6 +58,13 @@ class TransferParams:
         fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
         fields["remote_block_ids"] = tuple(int(b) for b in params["remote_block_ids"])
         return cls(**fields)
+
+    def received(self, now_s: float) -> "TransferParams":
+        """Decode node, on receipt: the lease's deadline on this node's monotonic clock, as
+        `received` does for the engine's dict."""
+        if self.lease_remaining_s is None:
+            return self
+        return replace(self, lease_deadline_local_s=now_s + self.lease_remaining_s - TRANSIT_ALLOWANCE_S)
 
     def with_failure_injected(self) -> "TransferParams":
         return TransferParams(**{**asdict(self), "inject_failure": True})

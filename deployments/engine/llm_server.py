@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
+from kv_transfer.params import TransferParams
 from deployments.engine.stream_coalescer import coalesce
 from deployments.ports import reserve_port
 from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
@@ -75,10 +76,8 @@ class LLMServer:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
         """Stream deltas; if the caller goes away (cancel/close) the engine request is aborted."""
-        if request.kv_transfer_params:  # decode: the prefill's lease time, as a deadline on this node's clock
-            from kv_transfer.params import received
-
-            request = replace(request, kv_transfer_params=received(request.kv_transfer_params, time.monotonic()))
+        if request.pull is not None:  # decode: the prefill's lease time, as a deadline on this node's clock
+            request = replace(request, pull=request.pull.received(time.monotonic()))
         self._ensure_exporting()
         self._stats.started_total += 1
         self._in_flight.add(request.request_id)
@@ -129,17 +128,17 @@ class LLMServer:
         result = work.result()
         if isinstance(result, PrefillResult):
             self._stats.abandoned_prefills_total += 1
-            asyncio.ensure_future(self.release(dict(result.transfer_params)))
+            asyncio.ensure_future(self.release(result.transfer_params))
 
     async def _prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
         """Bounded by prefill_timeout_s from receipt. Past it the request is aborted in the
         engine but its stream is still read (for ABORT_GRACE_S): it ends with the abort, or with
         the lease of a prompt that finished first, which is then returned rather than lost."""
-        from kv_transfer.params import handed_over, is_transfer, prefill_request_params
+        from kv_transfer.params import handed_over, is_transfer
 
         started = time.monotonic()
         prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
-                                        SamplingSpec(max_tokens=1, temperature=0.0), prefill_request_params())
+                                        SamplingSpec(max_tokens=1, temperature=0.0), produce_kv=True)
         final = None
         cached_tokens = 0
         limit_s = self._timeouts.prefill_timeout_s
@@ -177,15 +176,15 @@ class LLMServer:
                 return wait_expired("prefill", limit_s)
             return EngineFailure("prefill finished without KV transfer parameters", retriable=True)
         # Decode goes by the lease time left as the params leave this node, read on the clock that set it.
-        return PrefillResult(handed_over(final.kv_transfer_params, time.time()), final.prompt_tokens,
+        return PrefillResult(TransferParams.from_engine(handed_over(final.kv_transfer_params, time.time())),
+                             final.prompt_tokens,
                              time.monotonic() - started, final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens)
 
-    async def release(self, transfer_params: dict) -> None:
+    async def release(self, transfer_params: TransferParams) -> None:
         """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""
         params = transfer_params
-        await asyncio.to_thread(self._kv_client.release, params["remote_host"], params["remote_port"],
-                                params["remote_request_id"], 5.0, tuple(params.get("remote_block_ids", ())),
-                                bytes.fromhex(params.get("grant", "")))
+        await asyncio.to_thread(self._kv_client.release, params.remote_host, params.remote_port,
+                                params.remote_request_id, 5.0, tuple(params.remote_block_ids), params.grant_bytes())
 
     async def stats(self) -> ServerStats:
         self._stats.in_flight_request_ids = sorted(self._in_flight)

@@ -76,6 +76,16 @@ def kv_transfer_config(connector_settings: dict, failure_policy: str):
     )
 
 
+def engine_transfer_params(request: EngineRequest) -> dict | None:
+    """vLLM's kv_transfer_params for a request: the one place our typed transfer records become
+    the engine's dict (read by kv_transfer/connector_scheduler.py inside the engine)."""
+    from kv_transfer.params import prefill_request_params
+
+    if request.pull is not None:
+        return request.pull.to_engine()
+    return prefill_request_params() if request.produce_kv else None
+
+
 def to_sampling_params(spec: Any, kv_transfer_params: dict | None = None):
     """vLLM SamplingParams streaming deltas: the ingress's rendered params (a copy), or ours mapped."""
     from vllm import SamplingParams
@@ -187,7 +197,7 @@ class VLLMEngine:
 
         prompt_tokens = len(request.prompt_token_ids)
         completion_tokens = 0
-        params = to_sampling_params(request.sampling, request.kv_transfer_params)
+        params = to_sampling_params(request.sampling, engine_transfer_params(request))
         stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params,
                                     request.request_id)
         first = True

@@ -38,6 +38,7 @@ from deployments.expert_parallel.group_start import ray_start_failure, start_loc
 from deployments.ports import reserve_port
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta, WaitExpired
 from deployments.stream_deadlines import RequestTimeouts, StreamDeadlines, result_within, wait_expired
+from kv_transfer.params import TransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -209,9 +210,9 @@ class ExpertParallelGroup:
 
     def _release_when_done(self, call: asyncio.Future) -> None:
         if not call.cancelled() and call.exception() is None and isinstance(call.result(), PrefillResult):
-            asyncio.ensure_future(self.release(dict(call.result().transfer_params)))
+            asyncio.ensure_future(self.release(call.result().transfer_params))
 
-    async def release(self, transfer_params: dict) -> None:
+    async def release(self, transfer_params: TransferParams) -> None:
         # Any rank's transfer client can release a lease on any prefill engine.
         await self._local.release(transfer_params)
 

@@ -138,7 +138,6 @@ def test_the_prefill_kv_port_refuses_reads_without_a_valid_grant(stack, engine_s
     from ray import serve
 
     from deployments.records import EngineRequest, PrefillResult, SamplingSpec
-    from kv_transfer.params import TransferParams
     from kv_transfer.transport import get_backend
 
     prefill = serve.get_deployment_handle("prefill", app_name=stack.app_name)
@@ -146,7 +145,7 @@ def test_the_prefill_kv_port_refuses_reads_without_a_valid_grant(stack, engine_s
                                                      SamplingSpec(max_tokens=1))).result(timeout_s=120)
                for i in range(2)]
     assert all(isinstance(r, PrefillResult) for r in results), results
-    mine, other = (TransferParams.from_engine(r.transfer_params) for r in results)
+    mine, other = (r.transfer_params for r in results)
     assert len(mine.grant_bytes()) == 40  # the default layout runs with grants
     client = get_backend("tcp").client()
     blocks = list(mine.remote_block_ids)

@@ -77,7 +77,7 @@ def observed(stack, background_traffic):
     prefill = serve.get_deployment_handle("prefill", app_name=stack.app_name)
     result = prefill.prefill.remote(EngineRequest("orphan-prefill", list(range(3, 200)),
                                                   SamplingSpec(max_tokens=1))).result(timeout_s=60)
-    assert result.transfer_params["remote_request_id"]
+    assert result.transfer_params.remote_request_id
     expires_at = time.monotonic() + manifest.kv_transfer.lease_s
     responses = _drive_traffic(stack)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]

@@ -10,8 +10,9 @@ import pytest
 
 from deployments import disagg_client as dc
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, TokenDelta
+from kv_transfer.params import TransferParams
 
-PARAMS = {"remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "p-1", "do_remote_prefill": True}
+PARAMS = TransferParams("127.0.0.1", 1, "engine-p", "p-1", (0, 1), 20, 16, 4e9)
 
 
 class _Method:
@@ -83,7 +84,7 @@ def test_decode_gets_the_prefill_params(monkeypatch):
     out = asyncio.run(_drain(_client(prefill, decode, monkeypatch).stream(REQUEST)))
     # Decode loaded the whole prompt; the tokens the request did not compute are the prefill's.
     assert out == [replace(DELTA, cached_tokens=2)]
-    assert decode.requests[0].kv_transfer_params == PARAMS
+    assert decode.requests[0].pull == PARAMS
     assert decode.requests[0].prompt_token_ids == [1, 2, 3]
     assert prefill.released == []  # decode pulled and released itself
 
@@ -115,16 +116,16 @@ def test_lease_released_when_the_caller_leaves_before_decode_yields(monkeypatch)
         await asyncio.sleep(0.05)  # the release is sent in the background
 
     asyncio.run(scenario())
-    assert [p["remote_request_id"] for p in prefill.released] == ["p-1"]
+    assert [p.remote_request_id for p in prefill.released] == ["p-1"]
 
 
 def test_fault_injection_only_when_allowed(monkeypatch):
-    for allowed, expected in ((True, True), (False, None)):
-        prefill = FakePrefillHandle(PrefillResult(dict(PARAMS), 3, 0.01))
+    for allowed, expected in ((True, True), (False, False)):
+        prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
         decode = FakeDecodeClient([DELTA])
         client = _client(prefill, decode, monkeypatch, allow_fault_injection=allowed)
         asyncio.run(_drain(client.stream(REQUEST, inject_transfer_failure=True)))
-        assert decode.requests[0].kv_transfer_params.get("inject_failure") is expected
+        assert decode.requests[0].pull.inject_failure is expected
 
 
 def test_caller_leaving_during_prefill_releases_the_lease_the_prefill_ends_up_holding(monkeypatch):
@@ -154,7 +155,7 @@ def test_caller_leaving_during_prefill_releases_the_lease_the_prefill_ends_up_ho
         return prefill.released
 
     released = asyncio.run(scenario())
-    assert [p["remote_request_id"] for p in released] == ["p-1"]
+    assert [p.remote_request_id for p in released] == ["p-1"]
     assert decode.requests == []  # decode never admitted it
 
 
@@ -190,7 +191,7 @@ def test_a_prompt_below_the_local_prefill_threshold_skips_the_prefill_pool(monke
     client = _client(prefill, decode, monkeypatch, local_prefill_below_tokens=4, on_decision=decisions.append)
     out = asyncio.run(_drain(client.stream(REQUEST)))  # a 3-token prompt
     assert out == [DELTA] and decisions == ["local_short_prompt"]
-    assert decode.requests[0].kv_transfer_params is None and prefill.calls == 0
+    assert decode.requests[0].pull is None and prefill.calls == 0
     client = _client(prefill, FakeDecodeClient([DELTA]), monkeypatch, local_prefill_below_tokens=3,
                      on_decision=decisions.append)
     asyncio.run(_drain(client.stream(REQUEST)))
@@ -223,7 +224,7 @@ def test_decode_holding_most_of_the_prompt_prefills_it_itself_on_the_replica_cho
                      on_decision=decisions.append)
     assert asyncio.run(_drain(client.stream(LONG))) == [DELTA]
     assert prefill.calls == 0 and decisions == ["decode_holds_prefix"]
-    assert decode.requests[0].route_to == "decode-replica-b" and decode.requests[0].kv_transfer_params is None
+    assert decode.requests[0].route_to == "decode-replica-b" and decode.requests[0].pull is None
     assert router.asked == [(LONG.prompt_token_ids, "chat-1")]
 
 
@@ -235,7 +236,7 @@ def test_decode_holding_less_gets_a_remote_prefill_and_is_still_the_replica_chos
                      on_decision=decisions.append)
     asyncio.run(_drain(client.stream(LONG)))
     assert prefill.calls == 1 and decisions == ["remote"]
-    assert decode.requests[0].route_to == "decode-replica-b" and decode.requests[0].kv_transfer_params == PARAMS
+    assert decode.requests[0].route_to == "decode-replica-b" and decode.requests[0].pull == PARAMS
 
 
 def test_without_the_setting_or_before_the_router_exists_decode_is_routed_at_the_call(monkeypatch):

@@ -125,10 +125,11 @@ def test_decodes_engine_server_converts_the_lease_time_on_receipt():
     before = time.monotonic()
 
     async def run():
-        return [d async for d in server.generate(EngineRequest("d-1", [1, 2, 3], SamplingSpec(max_tokens=1), wire))]
+        return [d async for d in server.generate(EngineRequest("d-1", [1, 2, 3], SamplingSpec(max_tokens=1),
+                                                               TransferParams.from_engine(wire)))]
 
     asyncio.run(run())
-    deadline = engine.requests[0].kv_transfer_params["lease_deadline_local_s"]
+    deadline = engine.requests[0].pull.lease_deadline_local_s
     assert before + 20.0 - TRANSIT_ALLOWANCE_S <= deadline <= time.monotonic() + 20.0 - TRANSIT_ALLOWANCE_S
 
 

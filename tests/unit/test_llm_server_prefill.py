@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+import time
 
 import pytest
 
 from deployments.engine.llm_server import LLMServer
 from deployments.records import EngineRequest, PrefillResult, SamplingSpec, TokenDelta
+from kv_transfer.params import TransferParams, handed_over
 from tests.unit.ingress_fakes import FakeMetricsBackend
 
-PARAMS = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r-1-abcd1234", "remote_block_ids": [0],
-          "do_remote_prefill": True}
+PARAMS = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_engine_id": "e", "remote_request_id": "r-1-abcd1234",
+          "remote_block_ids": [0], "remote_num_tokens": 3, "block_size_tokens": 16,
+          "lease_deadline_unix_s": 4e9, "do_remote_prefill": True}
 
 
 class GatedEngine:
@@ -61,7 +65,11 @@ def test_a_finished_prefill_returns_its_transfer_params():
     server, engine = make_server()
     engine.gate.set()
     result = asyncio.run(server.prefill(EngineRequest("r-1", [1, 2, 3], SamplingSpec(max_tokens=8))))
-    assert isinstance(result, PrefillResult) and result.transfer_params == PARAMS
+    assert isinstance(result, PrefillResult)
+    # Typed as it leaves the prefill, with the lease time left read off its deadline.
+    expected = TransferParams.from_engine(handed_over(PARAMS, time.time()))
+    assert replace(result.transfer_params, lease_remaining_s=None) == replace(expected, lease_remaining_s=None)
+    assert abs(expected.lease_remaining_s - result.transfer_params.lease_remaining_s) < 5
     assert server._kv_client.released == []
 
 

@@ -31,8 +31,9 @@ TIMEOUTS = {"prefill_timeout_s": 0.4, "first_token_timeout_s": 0.8, "inter_token
 SLACK_S = 2.0  # a loaded CI box: answered within bound + this, never after the guard
 GUARD_S = 15.0  # without the bounds these requests would never be answered
 HANG = object()  # in a ScriptedVLLMEngine script: wait until the request is aborted
-LEASE = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "cmpl-p-0", "remote_block_ids": [0],
-         "remote_num_tokens": 3, "do_remote_prefill": True}
+LEASE = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_engine_id": "e", "remote_request_id": "cmpl-p-0",
+         "remote_block_ids": [0], "remote_num_tokens": 3, "block_size_tokens": 16, "lease_deadline_unix_s": 4e9,
+         "do_remote_prefill": True}
 
 
 # -- fakes --------------------------------------------------------------------------------------
@@ -392,4 +393,4 @@ def test_a_prefill_within_its_bound_hands_over_the_lease_time_left():
     result = run(server.prefill(EngineRequest("r-1", [1, 2, 3], SamplingSpec(max_tokens=4))))
     assert isinstance(result, PrefillResult)
     # Read off the deadline with this node's clock as the params leave: never more than issued.
-    assert 29.0 < result.transfer_params["lease_remaining_s"] <= 30.0
+    assert 29.0 < result.transfer_params.lease_remaining_s <= 30.0
