@@ -21,6 +21,18 @@ EXISTS_TIMEOUT_S = 1.0
 TRANSFER_TIMEOUT_S = 2.0
 
 
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until the kernel shows the process stopped (state T): SIGSTOP is asynchronous, and on a
+    loaded box the master may still answer a call or two after it was sent."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
 class Master:
     def __init__(self, tmp_path):
         self.config = MasterConfig("127.0.0.1", free_port(), free_port(), free_port())
@@ -193,7 +205,8 @@ def test_hung_master_is_bounded_then_recovers(master):
         master.proc.send_signal(signal.SIGSTOP)  # the client would block 30 s per call
         # A call already answered by the master's socket buffers may still return once on a
         # loaded box; within a few calls one must time out, each bounded by its deadline.
-        for attempt in range(3):
+        _wait_stopped(master.proc.pid)
+        for attempt in range(5):
             started = time.monotonic()
             try:
                 store.exists(["a"])
