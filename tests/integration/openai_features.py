@@ -4,7 +4,8 @@ how an answer is compared with vLLM's own server's answer to the same request.
 vLLM's answers are collected once per session (`vllm_feature_answers` in conftest.py: vLLM's
 OpenAI server on the stack's checkpoint, started, asked every feature, stopped), so each of our
 paths is compared with the same answers without a second server: the default P/D +
-expert-parallel application (test_openai_features.py) and the colocated two-replica application
+expert-parallel application (test_openai_features.py), P/D without expert parallelism and with
+the KV pool (test_kv_pool_stack.py) and the colocated two-replica application
 (test_routing_stack.py).
 
 Random tiny weights call no tool by themselves: tool_choice "required" or a named function

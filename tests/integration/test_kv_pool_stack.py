@@ -190,6 +190,15 @@ def test_multi_turn_history_comes_from_the_pool(pool_app, stack):
     _log(f"turns 2-3: {hit_blocks} of {history_blocks} history blocks from the pool")
     assert history_blocks > 0 and hit_blocks >= math.ceil(0.9 * history_blocks)
 
+def test_the_pd_path_with_the_pool_answers_every_openai_feature_as_vllms_server_does(pool_app, vllm_feature_answers):
+    """P/D without expert parallelism (one prefill, one decode engine, the KV pool on): the
+    answers the P/D + EP and colocated paths are held to (openai_features.py)."""
+    from tests.integration.openai_features import FEATURES, ask, assert_same_answer
+
+    for feature in FEATURES:
+        assert_same_answer(feature, ask(pool_app.base_url, pool_app.stack.model, feature), vllm_feature_answers[feature])
+
+
 
 def _working_set() -> list[str]:
     """Distinct prompts of ten full blocks each: the chapter number in the first block makes
