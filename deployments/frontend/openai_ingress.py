@@ -45,7 +45,7 @@ GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
 def _router_lookup(pool: str):
     """The decode pool's router in this process, when it has our policy router (by name)."""
     def lookup():
-        from deployments.routing.serve_router import router_for
+        from deployments.routing.router_registry import router_for
 
         return router_for(pool)
 

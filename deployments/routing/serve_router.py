@@ -13,7 +13,7 @@ A request may arrive already routed (`EngineRequest.route_to`): the disaggregate
 decode pool's router to `decide` before the prefill runs (so it can skip the prefill when that
 replica holds the prompt), and the call then goes where that decision said, while the replica is
 still a candidate. Routers register by pool name in their process for that lookup
-(`router_for`). Serve may run routers on their own event loop thread, so the policy, which keeps
+(router_registry.py). Serve may run routers on their own event loop thread, so the policy, which keeps
 state, is only called under a lock.
 """
 
@@ -28,16 +28,11 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from deployments.routing.block_hashes import prompt_block_hashes
 from deployments.routing.policies import make_policy
+from deployments.routing.router_registry import register
 from deployments.routing.state import ReplicaState, RouteDecision, RoutingRequest
 
 SESSION_KEY = "session_id"
 ROUTE_TO_KEY = "route_to"
-_ROUTERS: dict[str, "PolicyRequestRouter"] = {}  # pool name -> this process's router for that pool
-
-
-def router_for(pool: str) -> "PolicyRequestRouter | None":
-    """This process's router for `pool`, once its handle has routed a first call."""
-    return _ROUTERS.get(pool)
 
 
 def routing_request(pending: PendingRequest | None, block_size: int, max_blocks: int) -> RoutingRequest | None:
@@ -80,7 +75,7 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         self.decisions: Counter[str] = Counter()
         self.decision_s: list[float] = []
         self._policy_lock = threading.Lock()
-        _ROUTERS[pool] = self
+        register(pool, self)
 
     @property
     def block_size(self) -> int:

@@ -88,7 +88,9 @@ def test_a_request_decided_before_its_call_goes_to_that_replica_while_it_is_a_ca
     gone = replace(request, route_to="z")  # replaced since: routed by the policy as usual
     ranked = asyncio.run(router.choose_replicas(replicas, pending(gone)))
     assert router.decisions["decided_before"] == 1 and sum(router.decisions.values()) == 2
-    assert serve_router.router_for("decode-test") is router
+    from deployments.routing.router_registry import router_for
+
+    assert router_for("decode-test") is router
 
 
 def test_decide_routes_with_the_policy_over_the_current_replicas(monkeypatch):
@@ -105,3 +107,20 @@ def test_decide_routes_with_the_policy_over_the_current_replicas(monkeypatch):
     assert again.expected_hit_blocks == 4  # the router remembers what it sent there: 64 tokens = 4 blocks
     replicas.clear()
     assert router.decide(prompt) is None
+
+
+def test_the_router_class_pickles_by_value_while_routers_are_live():
+    """Ray Serve pickles the router's module by value whenever it serializes the deployment
+    config (serve.status() in a driver that holds handles): no live router may be reachable from
+    the module's globals (CI: "cannot pickle '_thread.lock' object")."""
+    from ray import cloudpickle
+
+    from deployments.routing import serve_router
+
+    live = _router()  # registered, with its lock
+    cloudpickle.register_pickle_by_value(serve_router)
+    try:
+        cloudpickle.loads(cloudpickle.dumps(serve_router.PolicyRequestRouter))
+    finally:
+        cloudpickle.unregister_pickle_by_value(serve_router)
+    assert live.decisions == {}
