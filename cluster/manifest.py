@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
 from cluster.manifest_http import HTTPSpec
+from cluster.manifest_kv import KVPoolSpec, KVTransferSpec
 from cluster.manifest_kubernetes import KubernetesSpec
 from cluster.manifest_routing import AdmissionSpec, RoutingSpec
 from cluster.manifest_timeouts import RequestTimeoutsSpec, timeout_issues
@@ -188,59 +189,6 @@ class ObservabilitySpec(_Strict):
     """Port of the local Prometheus (`moe-serve up` only)."""
     scrape_interval_s: Annotated[float, Field(ge=1, le=300)] = 5.0
     """How often Prometheus scrapes Ray's metrics endpoints."""
-
-
-class KVTransferSpec(_Strict):
-    """How decode pulls KV cache from prefill (disaggregated manifests)."""
-
-    backend: Literal["tcp", "mooncake"] = "tcp"
-    """Transport: tcp (dependency-free, our binary protocol), or mooncake (pages read through
-    Mooncake's transfer engine, control over our protocol; needs the
-    mooncake-transfer-engine(-non-cuda) wheel on prefill and decode nodes)."""
-    lease_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-    """Prefill holds a finished prompt's blocks at most this long for decode to pull them.
-    Decode starts a pull only if it can finish (transfer_timeout_s) before the deadline."""
-    transfer_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
-    """A pull slower than this counts as failed; failure_policy then decides."""
-    failure_policy: Literal["recompute", "fail"] = "recompute"
-    """On a failed pull: recompute the prompt on decode (same output, slower), or fail the request."""
-    allow_fault_injection: bool = False
-    """Honour the X-Moe-Serve-Inject-KV-Failure: 1 request header (tests only)."""
-    local_prefill_below_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 0
-    """Conditional disaggregation: prompts shorter than this are prefilled by decode itself (no
-    remote prefill, no transfer: shipping a few blocks costs more than computing them where they
-    are needed). 0: every prompt goes through the prefill pool."""
-    local_prefill_hit_fraction: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    """Conditional disaggregation by cache: decode is chosen first (its pool's prefix router),
-    and when that replica's prefix cache holds at least this fraction of the prompt, it prefills
-    the rest itself instead of pulling it from a prefill replica. Needs the decode pool's
-    `routing.policy: prefix` and `engine.enable_prefix_caching: true`. None: off."""
-
-
-class KVPoolSpec(_Strict):
-    """A cluster-wide KV cache pool (Mooncake Store) shared by prefill, decode and colocated
-    engines: prefix blocks computed anywhere are loaded instead of recomputed, and decode
-    stores whole conversations (generated tokens included) for their next turn."""
-
-    enabled: bool = False
-    """Start the pool's master with the application and give every engine a pool tier."""
-    backend: Literal["mooncake"] = "mooncake"
-    """The store: mooncake (Mooncake Store; needs the Mooncake wheel on every engine node)."""
-    segment_mib: Annotated[int, Field(ge=16, le=4_194_304)] = 256
-    """Memory each engine contributes to the pool, on the node it runs on (the pool's capacity
-    is this times the engines; `moe-serve plan` shows it in tokens of the model)."""
-    local_buffer_mib: Annotated[int, Field(ge=4, le=65_536)] = 64
-    """Each engine's transfer buffer (and its staging for blocks in flight)."""
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    """Transport between pool clients: tcp (anywhere, CPU included) or rdma (GPU clusters)."""
-    device_name: str = ""
-    """RDMA device names for protocol rdma (e.g. mlx5_0,mlx5_1); empty for tcp."""
-    master_rpc_port: Annotated[int | None, Field(ge=1, le=65535)] = None
-    """RPC port of the pool's master on the head node (a free port when unset)."""
-    master_http_port: Annotated[int | None, Field(ge=1, le=65535)] = None
-    """Port of the master's HTTP metadata server (a free port when unset)."""
-    retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    """After a pool call fails, engines serve without the pool this long, then try again."""
 
 
 class LocalNodeSpec(_Strict):

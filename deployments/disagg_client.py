@@ -31,10 +31,10 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.engine_client import HandleEngineClient
-from deployments.routing.pairing import DisaggregationRule, local_prefill_reason
-from kv_transfer.params import TransferParams
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, TokenDelta
+from deployments.routing.pairing import DisaggregationRule, local_prefill_reason
 from deployments.stream_deadlines import result_within, wait_expired
+from kv_transfer.params import TransferParams
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class TransferParams:
         `received` does for the engine's dict."""
         if self.lease_remaining_s is None:
             return self
-        return replace(self, lease_deadline_local_s=now_s + self.lease_remaining_s - TRANSIT_ALLOWANCE_S)
+        return replace(self, lease_deadline_local_s=local_deadline(self.lease_remaining_s, now_s))
 
     def with_failure_injected(self) -> "TransferParams":
         return TransferParams(**{**asdict(self), "inject_failure": True})
@@ -134,4 +134,9 @@ def received(params: dict[str, Any], now_s: float) -> dict[str, Any]:
     remaining_s = params.get("lease_remaining_s")
     if not params.get(CONSUME_KEY) or remaining_s is None:
         return params
-    return {**params, "lease_deadline_local_s": now_s + remaining_s - TRANSIT_ALLOWANCE_S}
+    return {**params, "lease_deadline_local_s": local_deadline(remaining_s, now_s)}
+
+
+def local_deadline(remaining_s: float, now_s: float) -> float:
+    """A lease's end on the receiving node's monotonic clock, `TRANSIT_ALLOWANCE_S` early."""
+    return now_s + remaining_s - TRANSIT_ALLOWANCE_S

@@ -17,10 +17,10 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
-from kv_transfer.params import TransferParams
 from deployments.engine.stream_coalescer import coalesce
 from deployments.ports import reserve_port
 from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
+from kv_transfer.params import TransferParams
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ can take the ingress down for other clients.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from deployments.frontend.render import ChoiceOutput
 from deployments.frontend.responses import ResponseContext
 from deployments.records import EngineFailure, EngineRequest
 from deployments.routing.admission import AdmissionGate, AdmissionLimits
+from deployments.routing.router_registry import router_for
 from deployments.stream_deadlines import RequestTimeouts, bounded
 from deployments.frontend.stream_merge import merged as _merged
 
@@ -40,16 +42,6 @@ SESSION_HEADER = "X-Session-Id"
 OPEN_PATHS = {"/health"}  # everything else needs an API key when the manifest configures keys
 GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
                      ("POST", "/v1/chat/completions"): "chat_completions"}
-
-
-def _router_lookup(pool: str):
-    """The decode pool's router in this process, when it has our policy router (by name)."""
-    def lookup():
-        from deployments.routing.router_registry import router_for
-
-        return router_for(pool)
-
-    return lookup
 
 
 class OpenAIIngress:
@@ -76,7 +68,7 @@ class OpenAIIngress:
                 prefill, engine, allow_fault_injection=allow_fault_injection,
                 local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision,
                 prefill_timeout_s=self._timeouts.prefill_timeout_s, local_hit_fraction=local_prefill_hit_fraction,
-                decode_router=_router_lookup(decode_pool))
+                decode_router=functools.partial(router_for, decode_pool))
         else:
             self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]

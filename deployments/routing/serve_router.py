@@ -113,7 +113,7 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         by_load = sorted(states, key=lambda s: (s.ongoing + s.queued, s.replica_id))
         routed_to = getattr(pending_request.args[0], ROUTE_TO_KEY, None) if pending_request and pending_request.args \
             else None
-        if routed_to in by_id:  # decided before the call (decide()): counted there
+        if routed_to in by_id:  # the policy decided in decide(), counted there; this is its hand-over
             self.decisions["decided_before"] += 1
             return [[by_id[routed_to]], *([by_id[s.replica_id]] for s in by_load if s.replica_id != routed_to)]
         block_size = reported_block_size(candidate_replicas, self._block_size)
