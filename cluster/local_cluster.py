@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cluster.errors import ClusterError
 from cluster.manifest import LocalClusterSpec
+from cluster.process_tree import end_survivors, process_tree
 from cluster.ray_node_env import NODE_ENVIRONMENT
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,8 @@ def haproxy_isolation(environment: dict[str, str], ports: ClusterPorts) -> dict[
 class LocalCluster:
     def __init__(self, spec: LocalClusterSpec, ports: ClusterPorts = ClusterPorts(),
                  object_store_bytes: int = 256 << 20, environment: dict[str, str] | None = None):
-        """`environment`: variables every Ray process must see from its start (set in this
-        process before the nodes start, which inherit it)."""
+        """`environment`: variables every Ray process of the nodes must see from its start (set
+        in this process while the nodes start, which inherit it, then taken back)."""
         self.spec = spec
         self.environment = dict(environment or {})
         self.ports = ports
@@ -130,8 +131,9 @@ class LocalCluster:
     def start(self, progress=print) -> "LocalCluster":
         # Before Ray is imported: Ray reads its auth mode once, at import.
         apply_ray_environment()
-        os.environ.update(self.environment)
-        os.environ.update(haproxy_isolation(self.environment, self.ports))
+        node_only = {**self.environment, **haproxy_isolation(self.environment, self.ports)}
+        driver_values = {key: os.environ.get(key) for key in node_only}
+        os.environ.update(node_only)
         ensure_auth_token()
         from ray.cluster_utils import Cluster
 
@@ -152,6 +154,12 @@ class LocalCluster:
             self.shutdown()
             raise ClusterError(f"could not start the local Ray cluster: {exc}. Is another cluster using port "
                                f"{self.ports.gcs} or {self.ports.dashboard}? Stop it (`ray stop`) or change ports.") from exc
+        finally:
+            # The nodes have the Serve mode now; this process is a driver and stays a plain
+            # client. Serve's throughput-optimized mode runs a handle's router on the caller's
+            # event loop, so a synchronous `handle.method.remote().result()` here would fail
+            # with "No event loop running" if Serve were imported after this point.
+            _restore(driver_values)
         progress(f"{len(self.spec.nodes)} Ray nodes up in {time.monotonic() - started:.1f}s; "
                  f"dashboard {self.dashboard_url}")
         return self
@@ -165,10 +173,30 @@ class LocalCluster:
         """Take the worker node `name` out of the cluster, as a machine failure would (its raylet
         and every process on it are killed)."""
         node = self._nodes.pop(name)
+        started = process_tree(_node_pids(node))
         self._cluster.remove_node(node, allow_graceful=False)
+        end_survivors(started)  # on a real machine failure they would be gone too
 
     def shutdown(self) -> None:
         self._nodes.clear()
         if self._cluster is not None:
+            nodes = [self._cluster.head_node, *self._cluster.worker_nodes]
+            started = process_tree(pid for node in nodes if node is not None for pid in _node_pids(node))
             self._cluster.shutdown()
             self._cluster = None
+            end_survivors(started)
+
+
+def _restore(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _node_pids(node) -> list[int]:
+    """The pids of the processes a ray.cluster_utils node started (raylet, GCS, dashboard, ...);
+    their descendants are the node's workers and everything those started."""
+    return [info.process.pid for infos in node.all_processes.values() for info in infos
+            if info.process is not None]
