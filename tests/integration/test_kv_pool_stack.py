@@ -28,13 +28,14 @@ APP = "pool-test"
 BLOCK = 128  # vLLM's CPU default block size
 ENGINE_BLOCKS = 24  # the colocated engine's whole KV cache (vLLM needs >= max_model_len / BLOCK)
 WORKING_SET_PROMPTS = 10
+LOCAL_HIT_FRACTION = 0.8
 
 
 def _log(message: str) -> None:
     print(f"[kv pool] {message}", file=sys.stderr, flush=True)
 
 
-def _manifest(colocated: bool) -> dict:
+def _manifest(colocated: bool, decode_first: bool = False) -> dict:
     data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
     data["name"] = APP
     data["http"]["port"] = TEST_HTTP_PORT
@@ -44,6 +45,12 @@ def _manifest(colocated: bool) -> dict:
     decode.pop("expert_parallel")  # one decode engine: the session's app holds the other cores
     for pool in (prefill, decode):
         pool["engine"]["enable_prefix_caching"] = False  # every reused block comes from the pool
+    if decode_first:
+        # Decode chosen first, by what its prefix cache holds (the engine's KV events), and
+        # computing the prompt itself when it holds most of it (issue 13's conditional P/D).
+        decode["engine"]["enable_prefix_caching"] = True
+        decode["routing"] = {"policy": "prefix"}
+        data["kv_transfer"]["local_prefill_hit_fraction"] = LOCAL_HIT_FRACTION
     if colocated:
         engine = {**decode["engine"], "enable_prefix_caching": True,
                   "extra_args": {"num_gpu_blocks_override": ENGINE_BLOCKS}}
@@ -57,11 +64,17 @@ class PoolApp:
         self.base_url = f"http://127.0.0.1:{TEST_HTTP_PORT}/{APP}"
         self.pools: tuple[str, ...] = ()
 
-    def deploy(self, colocated: bool) -> None:
+    def deploy(self, colocated: bool, decode_first: bool = False) -> None:
         started = time.monotonic()
-        deploy_test_app(_manifest(colocated), "kv pool test manifest", progress=_log)
+        deploy_test_app(_manifest(colocated, decode_first), "kv pool test manifest", progress=_log)
         self.pools = ("engine",) if colocated else ("prefill", "decode")
-        _log(f"{APP} ({'colocated' if colocated else 'P/D'}) up in {time.monotonic() - started:.0f}s")
+        layout = "colocated" if colocated else "P/D, decode first" if decode_first else "P/D"
+        _log(f"{APP} ({layout}) up in {time.monotonic() - started:.0f}s")
+
+    def stats(self, pool: str):
+        from ray import serve
+
+        return serve.get_deployment_handle(pool, app_name=APP).stats.remote().result(timeout_s=30)
 
     def pool_counters(self, pool: str) -> dict:
         from ray import serve
@@ -198,6 +211,37 @@ def test_the_pd_path_with_the_pool_answers_every_openai_feature_as_vllms_server_
     for feature in FEATURES:
         assert_same_answer(feature, ask(pool_app.base_url, pool_app.stack.model, feature), vllm_feature_answers[feature])
 
+
+def test_decode_first_computes_a_turn_whose_history_it_holds_without_the_prefill(pool_app, stack):
+    """Decode chosen first (prefix-aware, from its engine's KV events): turn 1 of a conversation
+    is prefilled remotely as usual; turn 2's history (turn 1's prompt and answer) is in the
+    chosen decode replica's prefix cache, more than LOCAL_HIT_FRACTION of the prompt, so decode
+    computes the rest itself and the prefill pool never sees the request. Output: the plain
+    engine's, both turns."""
+    pool_app.deploy(colocated=False, decode_first=True)
+    plain_first = pool_app.complete(COMPLETION_PROMPTS["long"], base_url=stack.base_url)
+    prompt = plain_first["prompt_token_ids"]
+    new_message = pool_app.complete(" And what did the keeper write in his log that night?",
+                                    base_url=stack.base_url)["prompt_token_ids"]
+
+    before = {pool: pool_app.stats(pool) for pool in ("prefill", "decode")}
+    first = pool_app.complete(prompt)
+    assert first["choices"][0]["token_ids"] == plain_first["choices"][0]["token_ids"]
+    middle = {pool: pool_app.stats(pool) for pool in ("prefill", "decode")}
+    assert middle["prefill"].started_total - before["prefill"].started_total == 1  # nothing cached yet: remote
+
+    second_prompt = prompt + first["choices"][0]["token_ids"] + new_message
+    held = _full_blocks(len(prompt) + len(first["choices"][0]["token_ids"]) - 1) * BLOCK
+    assert held >= LOCAL_HIT_FRACTION * len(second_prompt)  # the trace is one the rule applies to
+    time.sleep(1.0)  # the decode engine's KV events reach the router (published every step, ~ms)
+    second = pool_app.complete(second_prompt)
+    plain_second = pool_app.complete(second_prompt, base_url=stack.base_url)
+    assert second["choices"][0]["token_ids"] == plain_second["choices"][0]["token_ids"]
+    after = {pool: pool_app.stats(pool) for pool in ("prefill", "decode")}
+    assert after["prefill"].started_total == middle["prefill"].started_total, "turn 2 went to the prefill pool"
+    assert after["decode"].started_total - middle["decode"].started_total == 1
+    pulls = "pulls_succeeded_total"
+    assert after["decode"].kv_transfer.get(pulls, 0) == middle["decode"].kv_transfer.get(pulls, 0)
 
 
 def _working_set() -> list[str]:
