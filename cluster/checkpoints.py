@@ -197,13 +197,18 @@ def ensure_checkpoint(name: str, root: Path | None = None, *, quiet: bool = Fals
         raise UnknownCheckpointError(
             f"unknown builtin checkpoint {name!r}; known: {', '.join(sorted(SPECS))}"
         )
-    spec = SPECS[name]
-    target = (root or checkpoint_root()) / name
+    return ensure_spec(SPECS[name], root, quiet=quiet)
+
+
+def ensure_spec(spec: TinyCheckpointSpec, root: Path | None = None, *, quiet: bool = False) -> Path:
+    """`ensure_checkpoint` for any spec (a benchmark's variant of a builtin one, say): its
+    directory under `root`, (re)built when missing or stale."""
+    target = (root or checkpoint_root()) / spec.name
     marker = target / _FINGERPRINT_FILE
     if marker.exists() and json.loads(marker.read_text()).get("fingerprint") == spec.fingerprint():
         return target
     if not quiet:
-        print(f"[checkpoints] building {name} in {target}", file=sys.stderr)
+        print(f"[checkpoints] building {spec.name} in {target}", file=sys.stderr)
     _build(spec, target)
     return target
 
