@@ -34,6 +34,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.checkpoint_variants import wide_qwen3_moe
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 HTTP_PORT = 8000
@@ -45,9 +47,10 @@ def _log(message: str) -> None:
 
 
 MANIFESTS = {("pd", "qwen"): "local.yaml", ("colocated", "qwen"): "local-colocated.yaml",
+             ("pd", "qwen-wide"): "local.yaml", ("colocated", "qwen-wide"): "local-colocated.yaml",
              ("pd", "deepseek"): "local-deepseek.yaml", ("colocated", "deepseek"): "local-colocated.yaml"}
 # vLLM's CPU block sizes: 128 tokens for its attention backend, 16 for MLA (forced by the platform).
-BLOCK_TOKENS = {"qwen": 128, "deepseek": 16}
+BLOCK_TOKENS = {"qwen": 128, "qwen-wide": 128, "deepseek": 16}
 PROMPT_POOLS = {"pd": "prefill", "colocated": "engine"}  # the pool whose engine computes prompts
 
 
@@ -55,6 +58,8 @@ def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, 
     data = yaml.safe_load((REPO / "manifests" / MANIFESTS[(layout, model)]).read_text())
     if model == "deepseek":  # the colocated manifest serves Qwen3-MoE: swap the model in
         data["model"] = yaml.safe_load((REPO / "manifests" / "local-deepseek.yaml").read_text())["model"]
+    if model == "qwen-wide":  # benchmarks/checkpoint_variants.py: ~10x the tiny model's prefill cost
+        data["model"]["path"] = str(wide_qwen3_moe())
     data["name"] = name
     data["model"]["max_model_len"] = 4096
     data["http"]["route_prefix"] = f"/{name}"
@@ -159,8 +164,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per application (alternating)")
     parser.add_argument("--layout", choices=["pd", "colocated"], default="pd")
-    parser.add_argument("--model", choices=["qwen", "deepseek"], default="qwen",
-                        help="tiny Qwen3-MoE (GQA) or tiny DeepSeek-V3 (MLA: a slower prefill on CPU, 4.5x the KV bytes)")
+    parser.add_argument("--model", choices=["qwen", "qwen-wide", "deepseek"], default="qwen",
+                        help="tiny Qwen3-MoE (GQA), its wider variant (~10x the prefill cost; "
+                             "benchmarks/checkpoint_variants.py) or tiny DeepSeek-V3 (MLA: a slower prefill on CPU, "
+                             "4.5x the KV bytes)")
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=1024)

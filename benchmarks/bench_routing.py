@@ -16,7 +16,7 @@ Writes benchmarks/results/routing.json.
 
     .venv/bin/python -m benchmarks.bench_routing --model wide --rounds 2
 
-The same with a wider, deeper variant of the tiny model (`wide_checkpoint`, built locally),
+The same with a wider, deeper variant of the tiny model (`checkpoint_variants.wide_qwen3_moe`, built locally),
 whose prefill is costly enough that a cache miss shows in TTFT as it does on GPUs.
 Writes benchmarks/results/routing-wide.json.
 
@@ -41,6 +41,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.checkpoint_variants import wide_qwen3_moe
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 HTTP_PORT = 8000
@@ -51,21 +53,6 @@ BLOCK = 128  # vLLM's CPU block size: only full blocks are cached
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def wide_checkpoint() -> Path:
-    """The tiny Qwen3-MoE at 3x the width and 1.5x the depth (random weights, built here like
-    the builtin one): its prefill costs ~10x as much per token, so a prompt of a thousand tokens
-    takes a few hundred milliseconds on this CPU, the share of TTFT it has on a real MoE model
-    on GPUs, where the tiny model's ~40 ms is lost in the request path's fixed cost."""
-    from dataclasses import replace
-
-    from cluster.checkpoints import SPECS, ensure_spec
-
-    base = SPECS["tiny-qwen3-moe"]
-    return ensure_spec(replace(base, name="bench-qwen3-moe-wide", config={
-        **base.config, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6,
-        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768, "moe_intermediate_size": 192}))
 
 
 def app_manifest(policy: str, args) -> dict:
@@ -251,12 +238,12 @@ def main() -> int:
     parser.add_argument("--front", default="haproxy", choices=["haproxy", "serve_proxy"],
                         help="the applications' http.front")
     parser.add_argument("--model", default="tiny", choices=["tiny", "wide"],
-                        help="the builtin tiny Qwen3-MoE, or a variant ~10x as costly to prefill (wide_checkpoint)")
+                        help="the builtin tiny Qwen3-MoE, or a variant ~10x as costly to prefill (checkpoint_variants)")
     parser.add_argument("--burst-only", action="store_true", help="only the admission burst, once per --fronts")
     parser.add_argument("--fronts", default="haproxy,serve_proxy")
     parser.add_argument("--out", default=None, help="default benchmarks/results/routing[-wide].json")
     args = parser.parse_args()
-    args.model_path = wide_checkpoint() if args.model == "wide" else None
+    args.model_path = wide_qwen3_moe() if args.model == "wide" else None
     args.out = args.out or str(RESULTS / ("routing-wide.json" if args.model == "wide" else "routing.json"))
     if args.burst_only:
         return burst_by_front(args)

@@ -142,7 +142,7 @@ def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_pa
             **expert_group_options(manifest, pool),
         ).bind(model, pool.engine.model_dump(), model_path, kv_transfer, pool.expert_parallel.model_dump(),
                rank_options, manifest.accelerator.value, pool.name, metrics=manifest.observability.metrics,
-               request_timeouts=effective_timeouts(manifest))
+               request_timeouts=effective_timeouts(manifest), kv_events=follows_kv_events(pool))
     return serve.deployment(LLMServer).options(
         name=pool.name,
         **replica_count_options(manifest, pool),

@@ -62,7 +62,8 @@ class LLMServer:
 
             ports = free_port(), free_port()
             self._cache_events = KVEventSubscriber(*ports).start()  # binds before the engine connects
-            factory_options["kv_events"] = events_config(*ports)
+            dp_rank = int((engine.get("extra_args") or {}).get("data_parallel_rank", 0))
+            factory_options["kv_events"] = events_config(*ports, data_parallel_rank=dp_rank)
         if self._kv is not None:
             from kv_transfer.transport import get_backend
 

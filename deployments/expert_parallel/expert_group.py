@@ -4,7 +4,13 @@ Rank 0 runs inside this replica (bundle 0, where Serve put it); ranks 1..N-1 are
 (LLMServer, the same server class) pinned to bundles 1..N-1 of the replica's placement group,
 so the manifest's placement strategy spreads them over nodes. This replica does the rank
 assignment and rendezvous (rank 0's address and a free RPC port), routes each request to one
-rank (deployments/expert_ranks.pick_rank) and relays its stream.
+rank (expert_ranks.pick_rank) and relays its stream.
+
+Each rank has its own KV cache (attention is data-parallel). With the pool's `prefix` routing
+and prefix caching on, every rank follows its engine's KV events; the group reports the union
+of their caches to the pool's request router (so the group that holds a prompt's prefix gets
+it) and sends the request on to the rank that holds the most of it, unless that rank is
+RANK_AFFINITY_SLACK requests busier than the least loaded one.
 
 Gang semantics: the ranks of a group are only useful together (every MoE layer is a
 collective over all of them). When any rank dies, the group is broken: every in-flight request
@@ -32,10 +38,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from deployments.expert_parallel.expert_ranks import merge_expert_load, pick_rank, rank_engine_spec
 from deployments.engine.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
+from deployments.expert_parallel.expert_ranks import (group_stats, leading_hits, merge_expert_load,
+                                                      merge_routing_stats, pick_rank, rank_engine_spec)
 from deployments.expert_parallel.group_start import ray_start_failure, start_local_rank
+from deployments.expert_parallel.rank_handles import LocalRank, RemoteRank, close_stream, ray_cancel, ray_rank_factory
 from deployments.ports import reserve_port
+from deployments.routing.block_hashes import prompt_block_hashes
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, ServerStats, TokenDelta, WaitExpired
 from deployments.stream_deadlines import RequestTimeouts, StreamDeadlines, result_within, wait_expired
 from kv_transfer.params import TransferParams
@@ -54,6 +63,8 @@ STALL_WAITS = frozenset({"prefill", "first_token", "inter_token"})
 # of a busy rank (seconds on a loaded 2-core machine), below the 60 s health-check timeout the
 # builder gives Serve.
 RANK_HEALTH_TIMEOUT_S = 20.0
+# How long a routing report waits for a rank (Serve asks every second or so; a late one is skipped).
+RANK_REPORT_TIMEOUT_S = 2.0
 
 
 class StallWatch:
@@ -90,7 +101,7 @@ class ExpertParallelGroup:
                  local_server_factory: Callable[..., Any] = LLMServer, metrics: bool = True,
                  metrics_backend: Any = None, cancel_remote: Callable[[Any], None] | None = None,
                  request_timeouts: dict | None = None,
-                 remote_start_failure: Callable[[], str | None] | None = None):
+                 remote_start_failure: Callable[[], str | None] | None = None, kv_events: bool = False):
         from monitoring.exporter import MetricsExporter
 
         self._exporter = MetricsExporter(metrics, metrics_backend)
@@ -107,18 +118,23 @@ class ExpertParallelGroup:
                                     num_redundant_experts=expert_parallel.get("num_redundant_experts", 0))
 
         started = time.monotonic()
-        factory = remote_rank_factory or _ray_rank_factory(rank_options)
+        factory = remote_rank_factory or ray_rank_factory(rank_options)
         # Ranks 1..N-1 start first: rank 0's engine waits in its constructor until every rank
         # has joined the handshake it hosts (vLLM allows 5 minutes).
+        # Each rank follows its own engine's KV events (same node as its engine: loopback).
+        events = {"kv_events": True} if kv_events else {}
         self._remote = [factory(rank, model, spec(rank), model_path, kv_transfer, pool=pool_name, metrics=metrics,
-                                request_timeouts=request_timeouts) for rank in range(1, self._size)]
+                                request_timeouts=request_timeouts, **events) for rank in range(1, self._size)]
         self._local = start_local_rank(
             lambda: local_server_factory(model, spec(0), model_path, kv_transfer, pool=pool_name, rank=0,
-                                         metrics=metrics, request_timeouts=request_timeouts),
+                                         metrics=metrics, request_timeouts=request_timeouts, **events),
             remote_start_failure or ray_start_failure(self._remote))
-        self._ranks = [_LocalRank(self._local)] + [_RemoteRank(actor, cancel_remote or _ray_cancel)
+        self._ranks = [LocalRank(self._local)] + [RemoteRank(actor, cancel_remote or ray_cancel)
                                                    for actor in self._remote]
         self._in_flight = [0] * self._size
+        # What each rank's prefix cache holds (router block hashes), from the last routing report.
+        self._rank_caches: list[frozenset[int]] = [frozenset()] * self._size
+        self._cache_block_size: int | None = None
         self._stall = StallWatch()
         self._broken: str | None = None
         self._broken_event = asyncio.Event()
@@ -136,7 +152,7 @@ class ExpertParallelGroup:
         if self._broken:
             yield self._failure()
             return
-        rank = self._route()
+        rank = self._route(request)
         stream = self._ranks[rank].generate(request).__aiter__()
         broken = asyncio.ensure_future(self._broken_event.wait())
         step: asyncio.Future | None = None
@@ -176,13 +192,13 @@ class ExpertParallelGroup:
                 # Cancelling the pending step makes the rank abort the request in its engine.
                 step.cancel()
                 await asyncio.wait({step}, timeout=self._failure_timeout_s)
-            await _close(stream)
+            await close_stream(stream)
 
     async def prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
         self._ensure_watchdog()
         if self._broken:
             return self._failure()
-        rank = self._route()
+        rank = self._route(request)
         call = asyncio.ensure_future(self._ranks[rank].prefill(request))
         call.add_done_callback(lambda _: self._finished_on(rank))
         # The rank bounds the prefill itself (and aborts it); this bound is for a rank that hangs.
@@ -251,16 +267,37 @@ class ExpertParallelGroup:
         self._export_expert_load(loads)
         return group_stats(per_rank, merge_expert_load(loads))
 
+    async def record_routing_stats(self) -> dict:
+        """Serve asks every `routing.stats_period_s` (pools with our request router): the ranks'
+        reports merged (`merge_routing_stats`), and each rank's resident prefix blocks kept for
+        choosing the rank of the next requests (`pick_rank`)."""
+        reports = await asyncio.gather(*(self._rank_report(rank) for rank in self._ranks))
+        self._rank_caches = [frozenset(report.get("resident", ())) if report else frozenset() for report in reports]
+        sizes = {report["block_size"] for report in reports if report and report.get("block_size")}
+        self._cache_block_size = sizes.pop() if len(sizes) == 1 else None
+        return merge_routing_stats(reports)
+
+    async def _rank_report(self, rank) -> dict | None:
+        call = asyncio.ensure_future(rank.record_routing_stats())
+        if not await result_within(call, RANK_REPORT_TIMEOUT_S):
+            call.cancel()  # a busy rank answers next period; the router treats old reports as stale
+            return None
+        return call.result() if call.exception() is None else None
+
     async def placement(self) -> list[dict]:
         """Per rank (index = rank): its process, node and the experts its engine holds."""
         return list(await asyncio.gather(*(rank.placement() for rank in self._ranks)))
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _route(self) -> int:
+    def _route(self, request: EngineRequest) -> int:
         from monitoring import metrics as m
 
-        rank = pick_rank(self._in_flight)
+        hits = None
+        if self._cache_block_size and any(self._rank_caches):
+            hashes = prompt_block_hashes(request.prompt_token_ids, self._cache_block_size)
+            hits = [leading_hits(hashes, cache) for cache in self._rank_caches]
+        rank = pick_rank(self._in_flight, hits)
         self._in_flight[rank] += 1
         self._exporter.inc(m.ROUTED_REQUESTS, pool=self._pool, rank=str(rank))
         return rank
@@ -327,123 +364,3 @@ class ExpertParallelGroup:
                     ray.kill(actor)
             except Exception:  # interpreter or Ray shutting down: the owner's death kills them anyway
                 pass
-
-
-def group_stats(per_rank: list[ServerStats], expert_load: dict[int, int]) -> ServerStats:
-    """One ServerStats for the group: counters summed over ranks, each rank kept in `ranks`."""
-    total = ServerStats(replica_id="group[" + ",".join(s.replica_id for s in per_rank) + "]")
-    for stats in per_rank:
-        total.started_total += stats.started_total
-        total.finished_total += stats.finished_total
-        total.aborted_total += stats.aborted_total
-        total.failed_total += stats.failed_total
-        total.in_flight_request_ids += stats.in_flight_request_ids
-        total.engine_unfinished_requests += stats.engine_unfinished_requests
-        for key, value in stats.kv_transfer.items():
-            if isinstance(value, (int, float)):
-                total.kv_transfer[key] = total.kv_transfer.get(key, 0) + value
-    total.in_flight_request_ids.sort()
-    total.ranks = per_rank
-    total.routed_tokens_per_expert = expert_load
-    return total
-
-
-class _LocalRank:
-    def __init__(self, server: Any):
-        self._server = server
-
-    def generate(self, request: EngineRequest) -> AsyncIterator:
-        return self._server.generate(request)
-
-    async def prefill(self, request):
-        return await self._server.prefill(request)
-
-    async def stats(self):
-        return await self._server.stats()
-
-    async def routed_tokens_per_expert(self):
-        return await self._server.routed_tokens_per_expert()
-
-    async def placement(self):
-        return await self._server.placement()
-
-    async def check_health(self) -> None:
-        await self._server.check_health()
-
-    def shutdown_engine(self) -> None:
-        self._server.shutdown_engine()
-
-
-class _RemoteRank:
-    """A rank actor seen through the same interface; its streams are Ray streaming generators."""
-
-    def __init__(self, actor: Any, cancel: Callable[[Any], None]):
-        self._actor = actor
-        self._cancel = cancel
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator:
-        refs = self._actor.generate.remote(request)
-        finished = False
-        try:
-            async for ref in refs:
-                yield await ref
-            finished = True
-        finally:
-            if not finished:  # the caller left: cancel, so the rank aborts it in its engine
-                self._cancel(refs)
-
-    async def prefill(self, request):
-        return await self._actor.prefill.remote(request)
-
-    async def stats(self):
-        return await self._actor.stats.remote()
-
-    async def routed_tokens_per_expert(self):
-        return await self._actor.routed_tokens_per_expert.remote()
-
-    async def placement(self):
-        return await self._actor.placement.remote()
-
-    async def check_health(self) -> None:
-        await self._actor.check_health.remote()
-
-    def shutdown_engine(self) -> None:
-        self._actor.shutdown_engine.remote()  # fire and forget: the actor may be dead already
-
-    async def wait_forever(self):
-        return await self._actor.wait_forever.remote()
-
-
-def _ray_cancel(refs: Any) -> None:
-    import ray
-
-    ray.cancel(refs)
-
-
-def _ray_rank_factory(rank_options: dict) -> Callable[..., Any]:
-    import ray
-    from ray.util.placement_group import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    group = get_current_placement_group()
-    if group is None:
-        raise RuntimeError("an expert-parallel replica must run in a placement group (see deployments/builder.py)")
-    actor_cls = ray.remote(LLMServer)
-
-    def start(rank: int, model: dict, engine: dict, model_path: str, kv_transfer: dict | None, **server_kwargs):
-        return actor_cls.options(
-            name=None, max_concurrency=10_000, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-            **rank_options,
-        ).remote(model, engine, model_path, kv_transfer, rank=rank, **server_kwargs)
-
-    return start
-
-
-async def _close(stream: Any) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except (Exception, asyncio.CancelledError):  # already closed or the rank is gone
-            pass

@@ -10,8 +10,10 @@ idle ranks so that they join every MoE collective with dummy batches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
+
+from deployments.records import ServerStats
 
 CPU_COMPAT_EXTENSION = "deployments.engine.vllm_cpu_ep_compat.CpuExpertParallelCompat"
 
@@ -44,16 +46,71 @@ def rank_engine_spec(engine: Mapping[str, Any], *, size: int, rank: int, address
     return {**engine, "extra_args": extra}
 
 
-def pick_rank(in_flight: Sequence[int]) -> int:
-    """The rank with the fewest requests in flight (lowest rank on ties).
+# A rank holding a longer prefix of the prompt takes the request while it has at most this many
+# requests in flight beyond the least loaded rank (the pools' routing.session_slack default):
+# reusing a cached prefix saves its prefill, but not at the price of one rank's queue growing.
+RANK_AFFINITY_SLACK = 4
 
-    Every rank runs the whole attention for its own requests, so balancing request counts
-    balances KV memory and per-step batch size; expert work is spread by the collectives
-    whatever the choice.
+
+def pick_rank(in_flight: Sequence[int], hit_blocks: Sequence[int] | None = None,
+              slack: int = RANK_AFFINITY_SLACK) -> int:
+    """The rank that takes the next request.
+
+    Every rank runs the whole attention for its own requests with its own KV cache (expert
+    work is spread by the collectives whatever the choice). So: among the ranks within `slack`
+    requests of the least loaded, the one whose prefix cache holds the most leading blocks of
+    the prompt (`hit_blocks`, per rank; None when the group does not follow its ranks' caches);
+    then the fewest in flight, which balances KV memory and per-step batch size; then the
+    lowest rank.
     """
     if not in_flight:
         raise ValueError("a group has at least one rank")
-    return min(range(len(in_flight)), key=lambda rank: (in_flight[rank], rank))
+    if hit_blocks is not None and len(hit_blocks) != len(in_flight):
+        raise ValueError(f"{len(hit_blocks)} hit counts for {len(in_flight)} ranks")
+    hits = hit_blocks or [0] * len(in_flight)
+    floor = min(in_flight)
+    eligible = [rank for rank in range(len(in_flight)) if in_flight[rank] <= floor + slack]
+    return min(eligible, key=lambda rank: (-hits[rank], in_flight[rank], rank))
+
+
+def leading_hits(prompt_hashes: Sequence[int], resident: Collection[int]) -> int:
+    """How many of the prompt's leading blocks (chained hashes) a cache holds: a block is only
+    reusable if every block before it is too."""
+    count = 0
+    for block in prompt_hashes:
+        if block not in resident:
+            break
+        count += 1
+    return count
+
+
+def merge_routing_stats(per_rank: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+    """The group's report to the pool's request router (LLMServer.record_routing_stats, one per
+    rank; None for a rank that did not answer in time): in flight and waiting summed, KV usage
+    the mean, the resident prefix blocks the union (a request the router sends to the group
+    reaches the rank holding its prefix, pick_rank). The epoch changes when any rank's does: a
+    restarted rank has an empty cache. A rank that did not answer contributes nothing."""
+    answered = [stats for stats in per_rank if stats]
+    merged: dict[str, Any] = {
+        "epoch": "group[" + ",".join(str(stats.get("epoch")) if stats else "?" for stats in per_rank) + "]",
+        "in_flight": sum(int(stats.get("in_flight", 0)) for stats in answered),
+        "at_s": min((stats["at_s"] for stats in answered if "at_s" in stats), default=None),
+    }
+    if any("waiting" in stats for stats in answered):
+        merged["waiting"] = sum(int(stats.get("waiting", 0)) for stats in answered)
+    usage = [float(stats["kv_usage"]) for stats in answered if stats.get("kv_usage") is not None]
+    if usage:
+        merged["kv_usage"] = sum(usage) / len(usage)
+    block_sizes = {stats["block_size"] for stats in answered if stats.get("block_size") is not None}
+    if len(block_sizes) == 1:  # ranks share one engine configuration; anything else reports nothing
+        merged["block_size"] = block_sizes.pop()
+        resident: dict[int, None] = {}
+        for stats in answered:
+            resident.update(dict.fromkeys(stats.get("resident", ())))
+        merged["resident"] = list(resident)
+    if merged["at_s"] is None:
+        del merged["at_s"]
+    return merged
 
 
 def merge_expert_load(per_rank: Sequence[Mapping[int, int]]) -> dict[int, int]:
@@ -67,3 +124,22 @@ def merge_expert_load(per_rank: Sequence[Mapping[int, int]]) -> dict[int, int]:
         for expert, tokens in counts.items():
             total[int(expert)] = total.get(int(expert), 0) + int(tokens)
     return dict(sorted(total.items()))
+
+
+def group_stats(per_rank: list[ServerStats], expert_load: dict[int, int]) -> ServerStats:
+    """One ServerStats for the group: counters summed over ranks, each rank kept in `ranks`."""
+    total = ServerStats(replica_id="group[" + ",".join(s.replica_id for s in per_rank) + "]")
+    for stats in per_rank:
+        total.started_total += stats.started_total
+        total.finished_total += stats.finished_total
+        total.aborted_total += stats.aborted_total
+        total.failed_total += stats.failed_total
+        total.in_flight_request_ids += stats.in_flight_request_ids
+        total.engine_unfinished_requests += stats.engine_unfinished_requests
+        for key, value in stats.kv_transfer.items():
+            if isinstance(value, (int, float)):
+                total.kv_transfer[key] = total.kv_transfer.get(key, 0) + value
+    total.in_flight_request_ids.sort()
+    total.ranks = per_rank
+    total.routed_tokens_per_expert = expert_load
+    return total

@@ -33,10 +33,15 @@ def free_port() -> int:
     return reserve_port("127.0.0.1")
 
 
-def events_config(publish_port: int, replay_port: int) -> dict:
-    """vLLM's `kv_events_config` for an engine whose events this module will read."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{publish_port}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+def events_config(publish_port: int, replay_port: int, data_parallel_rank: int = 0) -> dict:
+    """vLLM's `kv_events_config` for an engine whose events this module will read on these ports.
+
+    vLLM's publisher adds the engine's data-parallel rank to both ports (so that the ranks of a
+    group on one host do not collide); an expert-parallel rank is such an engine, so its
+    configured ports are lowered by its rank to land on the ports the subscriber reserved."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{publish_port - data_parallel_rank}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay_port - data_parallel_rank}"}
 
 
 class KVEventSubscriber:

@@ -62,7 +62,7 @@ def _reference(model_path: Path, out: Path, dtype: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _manifest_data(model: str, colocated: bool, pool: bool = False) -> dict:
+def _manifest_data(model: str, colocated: bool, pool: bool = False, prefix_routing: bool = False) -> dict:
     data = yaml.safe_load((REPO / "manifests" / MODELS[model][0]).read_text())
     data["name"] = "arch-" + model.removeprefix("tiny-")
     data["http"]["port"] = TEST_HTTP_PORT
@@ -71,6 +71,8 @@ def _manifest_data(model: str, colocated: bool, pool: bool = False) -> dict:
         decode = next(p for p in data["pools"] if p["role"] == "decode")
         data["pools"] = [{**decode, "name": "engine", "role": "colocated"}]
         data["pools"][0]["engine"]["enable_prefix_caching"] = True
+        if prefix_routing:  # the group follows its ranks' KV events (GQA: vLLM's CPU MLA has no prefix cache)
+            data["pools"][0]["routing"] = {"policy": "prefix"}
     if pool:  # P/D of single engines sharing the KV pool (the default app's cores stay free)
         next(p for p in data["pools"] if p["role"] == "decode").pop("expert_parallel", None)
         data["kv_pool"] = {"enabled": True, "segment_mib": 64, "local_buffer_mib": 16}
@@ -83,8 +85,8 @@ class ArchStack:
         self.app = None
         self.base_url = None
 
-    def deploy(self, colocated: bool, pool: bool = False) -> None:
-        data = _manifest_data(self.model, colocated, pool)
+    def deploy(self, colocated: bool, pool: bool = False, prefix_routing: bool = False) -> None:
+        data = _manifest_data(self.model, colocated, pool, prefix_routing)
         self.app = data["name"]
         started = time.monotonic()
         deploy_test_app(data, f"{self.model} manifest")
@@ -97,9 +99,9 @@ class ArchStack:
 
         return serve.get_deployment_handle(pool, app_name=self.app).stats.remote().result(timeout_s=30)
 
-    def complete(self, prompt: str) -> dict:
+    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
         response = httpx.post(f"{self.base_url}/v1/completions", timeout=120, json={
-            "model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True})
         assert response.status_code == 200, response.text
         return response.json()
@@ -206,6 +208,40 @@ def test_colocated_ep_group_is_token_identical(arch):
     no connector involved, so DeepSeek-V3 must match exactly too."""
     arch.deploy(colocated=True)
     _assert_identical(arch, _outputs(arch))
+
+
+@pytest.mark.parametrize("arch", ["tiny-glm4-moe"], indirect=True)
+def test_a_colocated_ep_group_sends_a_follow_up_to_the_rank_that_cached_its_prefix(arch):
+    """Prefix routing on an expert-parallel pool: each rank follows its engine's KV events, the
+    group reports what its ranks hold and sends a request to the rank holding its prefix. Two
+    documents land on different ranks (the first is still running when the second arrives);
+    follow-ups sent one at a time then go back to the rank that holds their document, where a
+    group choosing the least loaded rank would send both to rank 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    arch.deploy(colocated=True, prefix_routing=True)
+    documents = [f"Chapter {i} of the keeper's log. " + "the lamp was lit at dusk and kept till dawn " * 30
+                 for i in range(2)]
+
+    def started() -> list[int]:
+        return [rank.started_total for rank in arch.stats("engine").ranks]
+
+    before = started()
+    with ThreadPoolExecutor(2) as threads:
+        held = threads.submit(arch.complete, documents[0], 96)  # long enough to be in flight when the next arrives
+        time.sleep(0.5)
+        threads.submit(arch.complete, documents[1]).result()
+        assert len(held.result()["prompt_token_ids"]) >= 3 * 128  # full blocks to find cached
+    placed = started()
+    assert [a - b for a, b in zip(placed, before)] == [1, 1], (before, placed)
+    time.sleep(3)  # the ranks' KV events reach their subscribers; Serve asks the group for its report each second
+
+    arch.complete(documents[1] + " What did the keeper see?")
+    after_second = started()
+    arch.complete(documents[0] + " And in the morning?")
+    after_first = started()
+    assert [a - b for a, b in zip(after_second, placed)] == [0, 1], "the follow-up on document 1 left its rank"
+    assert [a - b for a, b in zip(after_first, after_second)] == [1, 0], "the follow-up on document 0 left its rank"
 
 
 def _pool_counters(arch_stack: ArchStack) -> dict[str, dict]:

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from deployments.expert_parallel.expert_group import ExpertParallelGroup, group_stats
+from deployments.expert_parallel.expert_group import ExpertParallelGroup
+from deployments.expert_parallel.expert_ranks import group_stats
 from deployments.expert_parallel.expert_ranks import CPU_COMPAT_EXTENSION, merge_expert_load, pick_rank, rank_engine_spec
 from deployments.records import EngineFailure, EngineRequest, SamplingSpec, ServerStats, TokenDelta
 from tests.unit.ingress_fakes import FakeMetricsBackend

@@ -55,3 +55,20 @@ def test_a_late_subscriber_catches_up_through_the_replay_then_follows_live_event
         if subscriber is not None:
             subscriber.stop()
         publisher.shutdown()
+
+
+def test_an_expert_parallel_rank_publishes_on_the_ports_its_subscriber_reserved():
+    """vLLM's publisher adds the engine's data-parallel rank to both configured ports; the
+    config lowers them by the rank, so rank 1's events reach the subscriber of rank 1's server
+    (they went to ports nobody read before: EP groups were cache-blind beyond rank 0)."""
+    publish_port, replay_port = free_port(), free_port()
+    config = events_config(publish_port, replay_port, data_parallel_rank=1)
+    publisher = kv_events.ZmqEventPublisher(1, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"])
+    subscriber = KVEventSubscriber(publish_port, replay_port).start()
+    try:
+        time.sleep(0.3)
+        publisher.publish(batch(stored([b"a", b"b"], None, PROMPT[:8])))
+        wait_for(lambda: len(subscriber.mirror) == 2)
+    finally:
+        subscriber.stop()
+        publisher.shutdown()
