@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in every run's output, to keep the suite near its 30-minute budget.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"
