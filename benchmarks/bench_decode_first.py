@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
 from benchmarks.bench_kv_pool import make_conversations, run_round
+from benchmarks.rounds import write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -134,11 +133,7 @@ def main() -> int:
         table[label] = {"remote_prefill": remote, "decode_first": first}
         ratio = f"{first / remote:.2f}" if remote else "-"
         print(f"| {label} | {fmt.format(remote)} | {fmt.format(first)} | {ratio} |")
-    out = Path(args.out)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},
-                              indent=1, default=str))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, table, results)
     return 0
 
 

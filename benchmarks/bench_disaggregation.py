@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.rounds import median_at
+from benchmarks.rounds import median_at, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -179,11 +178,7 @@ def main() -> int:
     for tokens, row in results["disaggregated"]["ttft_split"].items():
         print(f"| {tokens} | {row['ttft_ms']:.1f} | {row['kv_pull_ms']:.2f} | {row['share']:.1%} | "
               f"{row.get('kv_bytes_per_prompt_token', float('nan')):,.0f} |")
-    out = Path(args.out)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},
-                              indent=1, default=str))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, table, results)
     return 0
 
 

@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
-from benchmarks.rounds import median_at
+from benchmarks.rounds import median_at, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -141,11 +139,7 @@ def main() -> int:
             experts = f"{rank['experts'][0]}-{rank['experts'][-1]}" if rank["experts"] else "-"
             print(f"| {layout} | {rank['rank']} | {experts} | {rank['routed_experts'] / 2**20:.2f} MiB "
                   f"| {rank['total'] / 2**20:.2f} MiB |")
-    out = Path(args.out)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},
-                              indent=1, default=str))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, table, results)
     return 0
 
 

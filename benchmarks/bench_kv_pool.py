@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.checkpoint_variants import wide_qwen3_moe
+from benchmarks.rounds import write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -251,11 +252,7 @@ def main() -> int:
         print(f"\ndecode KV intake: pool loads {pool_bps / 1e6:.0f} MB/s (pool on) vs TCP pulls "
               f"{tcp_bps / 1e6:.0f} MB/s (pool off) = {pool_bps / tcp_bps:.2f}x")
         table["decode pool load (on) vs tcp pull (off), bytes/s"] = {"pool": pool_bps, "tcp": tcp_bps}
-    out = Path(args.out)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},
-                              indent=1, default=str))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, table, results)
     return 0
 
 

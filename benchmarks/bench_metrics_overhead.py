@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
-from benchmarks.rounds import median_at
+from benchmarks.rounds import median_at, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -114,11 +112,7 @@ def main() -> int:
         off, on = median_at(results["off"]["rounds"], path), median_at(results["on"]["rounds"], path)
         table[name] = {"off": off, "on": on}
         print(f"| {name} | {off:.1f} | {on:.1f} | {on / off if off else float('nan'):.3f} |")
-    out = Path(args.out)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": results},
-                              indent=1, default=str))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, table, results)
     return 0
 
 

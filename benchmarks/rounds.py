@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import sys
+import time
+from pathlib import Path
 
 
 def median_at(rounds: list[dict], path: tuple[str, ...]) -> float:
@@ -14,3 +19,14 @@ def median_at(rounds: list[dict], path: tuple[str, ...]) -> float:
             value = value[key]
         values.append(value)
     return statistics.median(v for v in values if v is not None)
+
+
+def write_results(out: str, args, table: dict, raw: dict) -> Path:
+    """The results file every layout benchmark writes: how it was run (command line, time, CPU
+    count, arguments), its printed table and every round's raw numbers; says where."""
+    path = Path(out)
+    path.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "cpus": os.cpu_count(), "args": vars(args), "table": table, "raw": raw},
+                               indent=1, default=str))
+    print(f"\nwrote {path}")
+    return path
