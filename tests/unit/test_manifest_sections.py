@@ -1,0 +1,108 @@
+"""Manifest sections beyond the layout: the KV pool, admission, the HTTP endpoint's exposure and
+front, and decode-first disaggregation; each refused setting names its field and the fix.
+(The layout, types and file handling: test_manifest.py, whose helpers these share.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from cluster.errors import ManifestError
+from cluster.manifest import PoolRole, load_manifest, parse_manifest
+from tests.unit.test_manifest import LOCAL, MANIFESTS, assert_reported, broken, only_issue, raw
+
+
+def test_the_default_manifest_uses_the_kv_pool():
+    pool = load_manifest(LOCAL).kv_pool
+    assert pool.enabled and pool.backend == "mooncake" and pool.protocol == "tcp" and pool.segment_mib == 256
+
+
+def test_kv_pool_over_rdma_on_a_cpu_manifest_is_refused_with_the_fix():
+    error = broken(LOCAL, lambda d: d["kv_pool"].update(protocol="rdma"))
+    issue = only_issue(error)
+    assert issue.field == "kv_pool.protocol" and "tcp" in issue.fix
+    assert_reported(error, issue)
+
+
+def test_kv_pool_segment_below_mooncakes_minimum_is_refused():
+    error = broken(LOCAL, lambda d: d["kv_pool"].update(segment_mib=8))
+    assert "kv_pool.segment_mib" in str(error)
+
+
+def test_fractional_cpu_kv_cache_is_refused_before_vllm_fails_on_it():
+    error = broken(LOCAL, lambda d: d["pools"][0]["engine"].update(cpu_kvcache_space_gib=0.5))
+    assert "cpu_kvcache_space_gib" in str(error)
+
+
+def test_admission_limits_follow_the_serving_pool_at_its_largest_and_split_over_ingress_replicas():
+    manifest = load_manifest(next(p for p in MANIFESTS if p.name == "local-autoscaling.yaml"))
+    decode = manifest.pool_with_role(PoolRole.decode)
+    limits = manifest.admission.limits_per_ingress(decode, ingress_replicas=2)
+    engines = decode.autoscaling.max_replicas * decode.ranks_per_replica
+    assert limits["max_running"] == -(-engines * decode.engine.max_num_seqs // 2)
+    assert limits["max_queued"] == -(-engines * manifest.admission.max_queued_per_replica // 2)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "serve.internal"])
+def test_an_endpoint_beyond_loopback_needs_required_api_keys_or_a_stated_gateway(host):
+    def open_to_the_network(data):
+        data["http"]["host"] = host
+
+    issue = only_issue(broken(LOCAL, open_to_the_network))
+    assert issue.field == "http" and f"host {host} serves other machines" in issue.problem
+    assert "required: true" in issue.problem and "allow_unauthenticated" in issue.problem
+    gatewayed = copy.deepcopy(raw(LOCAL))
+    gatewayed["http"].update(host=host, auth={"allow_unauthenticated": True})
+    assert parse_manifest(gatewayed).http.host == host
+    keyed = copy.deepcopy(raw(LOCAL))
+    keyed["http"].update(host=host, auth={"api_keys_env": "MOE_SERVE_API_KEYS", "required": True})
+    assert parse_manifest(keyed).http.auth.required
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_a_loopback_endpoint_may_stay_open(host):
+    data = copy.deepcopy(raw(LOCAL))
+    data["http"]["host"] = host
+    assert not parse_manifest(data).http.auth.enabled
+
+
+def test_the_front_is_haproxy_by_default_and_each_front_becomes_its_ray_environment():
+    from cluster.manifest_http import missing_serve_environment, serve_environment
+
+    haproxy = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    manifest = parse_manifest(raw(LOCAL))
+    assert manifest.http.front == "haproxy"
+    assert serve_environment(manifest.http) == haproxy
+    data = copy.deepcopy(raw(LOCAL))
+    data["http"]["front"] = "serve_proxy"
+    assert serve_environment(parse_manifest(data).http) == {}
+    data["http"]["throughput_optimized"] = True
+    assert serve_environment(parse_manifest(data).http) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    # deploy warns about what a cluster's environment lacks (or sets otherwise)
+    assert missing_serve_environment(manifest.http, {}) == haproxy
+    assert missing_serve_environment(manifest.http, {**haproxy, "RAY_SERVE_ENABLE_HA_PROXY": "0"}) == \
+        {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert missing_serve_environment(manifest.http, dict(haproxy)) == {}
+
+
+def test_an_unknown_front_is_refused_naming_the_choices():
+    data = copy.deepcopy(raw(LOCAL))
+    data["http"]["front"] = "nginx"
+    with pytest.raises(ManifestError, match=r"http\.front.*haproxy.*serve_proxy"):
+        parse_manifest(data)
+
+
+def test_local_prefill_by_hit_fraction_needs_to_know_what_decode_caches():
+    data = copy.deepcopy(raw(LOCAL))
+    data["kv_transfer"]["local_prefill_hit_fraction"] = 0.8
+    decode = next(p for p in data["pools"] if p["role"] == "decode")
+    decode["engine"]["enable_prefix_caching"] = False
+    with pytest.raises(ManifestError, match=r"kv_transfer\.local_prefill_hit_fraction.*enable_prefix_caching"):
+        parse_manifest(data)
+    decode["engine"]["enable_prefix_caching"] = True
+    decode["routing"] = {"policy": "prefix"}
+    assert parse_manifest(data).kv_transfer.local_prefill_hit_fraction == 0.8
+    data["kv_transfer"]["local_prefill_hit_fraction"] = 1.5
+    with pytest.raises(ManifestError, match=r"local_prefill_hit_fraction"):
+        parse_manifest(data)
