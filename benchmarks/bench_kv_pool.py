@@ -55,7 +55,8 @@ BLOCK_TOKENS = {"qwen": 128, "qwen-wide": 128, "deepseek": 16}
 PROMPT_POOLS = {"pd": "prefill", "colocated": "engine"}  # the pool whose engine computes prompts
 
 
-def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, layout: str, model: str) -> dict:
+def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, layout: str, model: str,
+                 prefill_segment_mib: int | None = None) -> dict:
     data = yaml.safe_load((REPO / "manifests" / MANIFESTS[(layout, model)]).read_text())
     if model == "deepseek":  # the colocated manifest serves Qwen3-MoE: swap the model in
         data["model"] = yaml.safe_load((REPO / "manifests" / "local-deepseek.yaml").read_text())["model"]
@@ -72,6 +73,8 @@ def app_manifest(name: str, pool: bool, engine_kv_gib: int, engine_blocks: int, 
             # working set outgrows engine memory as it does on a loaded GPU cluster.
             spec["engine"]["extra_args"] = {"num_gpu_blocks_override": engine_blocks}
     data["kv_pool"] = {"enabled": pool, "segment_mib": 256}
+    if prefill_segment_mib is not None:
+        data["kv_pool"]["prefill_segment_mib"] = prefill_segment_mib
     return data
 
 
@@ -180,6 +183,8 @@ def main() -> int:
     parser.add_argument("--engine-blocks", type=int, default=256,
                         help="cap the prefill (colocated) engines' KV cache at this many blocks (128 tokens; 16 for "
                              "deepseek) (0: no cap)")
+    parser.add_argument("--prefill-segment-mib", type=int, default=None,
+                        help="kv_pool.prefill_segment_mib (0: every object in decode's segments)")
     parser.add_argument("--out", default=None, help="default benchmarks/results/kv_pool[-colocated].json")
     args = parser.parse_args()
 
@@ -191,7 +196,7 @@ def main() -> int:
     suffix = "".join(f"-{part}" for part in (args.layout, args.model) if part not in ("pd", "qwen"))
     args.out = args.out or str(RESULTS / f"kv_pool{suffix}.json")
     apps = {name: parse_manifest(app_manifest(name, name == "pool-on", args.engine_kv_gib, args.engine_blocks,
-                                              args.layout, args.model), name)
+                                              args.layout, args.model, args.prefill_segment_mib), name)
             for name in ("pool-off", "pool-on")}
     pools = [pool.name for pool in apps["pool-off"].pools]
     prompt_pool = PROMPT_POOLS[args.layout]

@@ -12,7 +12,12 @@ Methods (one process, real Mooncake master; each moves the same 32 blocks of 256
 8 pages of 32 KiB, the tiny model's CPU block, into the pages of a second "engine"):
 - pool_load: our pool worker (`PoolWorker.load`: batched Mooncake get into a staging buffer,
   header and CRC checked per block, scattered into the pages), checksums keeping the GIL
-  (`kv_transfer/pool/checksum.py`);
+  (`kv_transfer/pool/checksum.py`), the objects in another client's segment (the writer's);
+- pool_load_own_segment: the same, the objects in the reader's own segment (stored by the
+  reader: decode reading back a conversation it stored, or any engine with
+  `kv_pool.prefill_segment_mib: 0` in P/D);
+- bare_get, bare_get_own_segment: Mooncake's batched get of the same objects alone (through
+  our store adapter, into the staging buffer; no checks, no scatter);
 - pool_load_zlib: the same with `zlib.crc32`, which releases the GIL for every block (what
   the pool did before);
 - tcp_pull: our TCP transport (`kv_transfer/transport/tcp`: server thread, one fetch of the
@@ -111,10 +116,21 @@ def main() -> int:
             return w
 
         source, sink = _Pages(fill=True), _Pages(fill=False)
-        writer, reader = worker(True, source), worker(False, sink)
+        writer, reader = worker(True, source), worker(True, sink)
         blocks = [PoolBlock(os.urandom(16), token_digest([i]), i) for i in range(BLOCKS)]
-        if writer.store(blocks) != BLOCKS:
+        if writer.store(blocks) != BLOCKS:  # into the writer's segment (puts prefer their own)
             raise RuntimeError(f"storing {BLOCKS} blocks in the pool failed: {writer.snapshot()}")
+        own_blocks = [PoolBlock(os.urandom(16), token_digest([i]), i) for i in range(BLOCKS)]
+        for layer, data in zip(sink.layers, source.layers):
+            layer[:] = data
+        if reader.store(own_blocks) != BLOCKS:  # into the reader's own segment
+            raise RuntimeError(f"storing {BLOCKS} blocks in the pool failed: {reader.snapshot()}")
+        keys = KeySpace("bench", "pool-load")
+        for who, which in ((writer, blocks), (reader, own_blocks)):
+            store = who._store_factory()
+            placed = set(store.segments_of([keys.key(b.block_hash, 0) for b in which]))
+            if placed != {store.own_segment()}:
+                raise RuntimeError(f"objects landed in {placed}, not in their writer's segment {store.own_segment()}")
 
         tcp = get_backend("tcp")
         server = tcp.server("127.0.0.1", 0, source, lambda rid: None, lambda: {})
@@ -124,20 +140,35 @@ def main() -> int:
         host, port = server.address
         ids = list(range(BLOCKS))
 
-        def pool_load(checksum) -> None:
+        def pool_load(checksum, which=blocks) -> None:
             objects.crc32 = checksum
-            reader.load(blocks)
+            reader.load(which)
 
         import zlib
         from kv_transfer.pool.checksum import crc32 as gil_crc32
+        reader_store = reader._store_factory()
+        staging = reader._staging["load"][0]  # registered with the reader's client
+        object_bytes = reader.layout.object_bytes
+
+        def bare_get(which) -> None:  # Mooncake's read alone: no executor, checksum or scatter
+            got = reader_store.get_into([keys.key(b.block_hash, 0) for b in which],
+                                        [staging.ctypes.data + i * object_bytes for i in range(len(which))],
+                                        [object_bytes] * len(which))
+            if got != [object_bytes] * len(which):
+                raise RuntimeError(f"a bare get read {got}")
+
         methods = {"pool_load": lambda: pool_load(gil_crc32),
+                   "pool_load_own_segment": lambda: pool_load(gil_crc32, own_blocks),
+                   "bare_get": lambda: bare_get(blocks),
+                   "bare_get_own_segment": lambda: bare_get(own_blocks),
                    "pool_load_zlib": lambda: pool_load(lambda data: zlib.crc32(data) & 0xFFFFFFFF),
                    "tcp_pull": lambda: client.fetch(host, port, "bench", ids, sink.pages(ids), 60.0)}
         nbytes = BLOCKS * LAYER_PAGES * PAGE_BYTES
         for name, run in methods.items():  # warm-up and the bytes check
             sink.clear()
             run()
-            if not all(np.array_equal(a, b) for a, b in zip(source.layers, sink.layers)):
+            if not name.startswith("bare_get") and not all(np.array_equal(a, b)
+                                                            for a, b in zip(source.layers, sink.layers)):
                 raise RuntimeError(f"{name}: the blocks that arrived differ from the source")
         seconds = {(name, busy): [] for name in methods for busy in (False, True)}
         for index in range(args.rounds):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
@@ -51,6 +51,24 @@ class KVPoolSpec(_Strict):
     segment_mib: Annotated[int, Field(ge=16, le=4_194_304)] = 256
     """Memory each engine contributes to the pool, on the node it runs on (the pool's capacity
     is this times the engines; `moe-serve plan` shows it in tokens of the model)."""
+    prefill_segment_mib: Annotated[int, Field(ge=0, le=4_194_304)] | None = None
+    """Memory each prefill engine contributes instead (default: segment_mib). 0 keeps every
+    object of a P/D application in decode's segments, where decode reads it back each turn: a
+    read from an engine's own segment is a local copy, about 3x faster than a remote read over
+    TCP (BENCHMARKS.md 8c). Prefill still stores and loads; its writes cross to decode."""
+
+    def segment_mib_for(self, role: str) -> int:
+        """What one engine of a pool with this role contributes."""
+        if role == "prefill" and self.prefill_segment_mib is not None:
+            return self.prefill_segment_mib
+        return self.segment_mib
+
+    @field_validator("prefill_segment_mib")
+    @classmethod
+    def _mooncake_segment_minimum(cls, mib: int | None) -> int | None:
+        if mib is not None and 0 < mib < 16:
+            raise ValueError(f"{mib} MiB: Mooncake needs 0 (prefill contributes nothing) or at least 16")
+        return mib
     local_buffer_mib: Annotated[int, Field(ge=4, le=65_536)] = 64
     """Each engine's transfer buffer (and its staging for blocks in flight)."""
     protocol: Literal["tcp", "rdma"] = "tcp"

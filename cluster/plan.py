@@ -133,29 +133,36 @@ def kv_pool_capacity_tokens(manifest: Manifest, facts: ModelFacts | None) -> int
     spec = manifest.kv_pool
     if not spec.enabled or facts is None or facts.kv_bytes_per_token <= 0:
         return 0
-    engines = sum(pool.replicas * pool.ranks_per_replica for pool in manifest.pools)
-    return engines * (spec.segment_mib << 20) // facts.kv_bytes_per_token
+    return _kv_pool_bytes(manifest, lambda pool: pool.replicas) // facts.kv_bytes_per_token
+
+
+def _kv_pool_bytes(manifest: Manifest, replicas_of) -> int:
+    """Every engine (rank) contributes its role's segment (kv_pool.segment_mib_for)."""
+    return sum(replicas_of(pool) * pool.ranks_per_replica * (manifest.kv_pool.segment_mib_for(pool.role) << 20)
+               for pool in manifest.pools)
 
 
 def _kv_pool_line(manifest: Manifest, facts: ModelFacts | None) -> str | None:
-    """Capacity of the KV pool: every engine (rank) contributes segment_mib on its node; with
+    """Capacity of the KV pool: every engine (rank) contributes its segment on its node; with
     autoscaling the pool grows and shrinks with the engines, so the range is shown."""
     spec = manifest.kv_pool
     if not spec.enabled:
         return None
-    def engines(replicas_of) -> int:
-        return sum(replicas_of(pool) * pool.ranks_per_replica for pool in manifest.pools)
-    now = engines(lambda pool: pool.replicas)
-    most = engines(lambda pool: pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas)
-    segment = spec.segment_mib << 20
-    def capacity(count: int) -> str:
-        total = count * segment
+    now = _kv_pool_bytes(manifest, lambda pool: pool.replicas)
+    most = _kv_pool_bytes(manifest, lambda pool: pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas)
+    def capacity(total: int) -> str:
         if facts is None or facts.kv_bytes_per_token <= 0:
             return _gib(total)
         return f"{_gib(total)} = {total // facts.kv_bytes_per_token:,} tokens"
     size = capacity(now) if now == most else f"{capacity(now)} (up to {capacity(most)} at max replicas)"
-    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {now} engine(s) x "
-            f"{spec.segment_mib} MiB = {size}; every engine loads prefixes from it and stores what it computed")
+    counts = [(pool.name, pool.replicas * pool.ranks_per_replica, spec.segment_mib_for(pool.role))
+              for pool in manifest.pools]
+    if len({mib for _, _, mib in counts}) == 1:
+        engines = f"{sum(count for _, count, _ in counts)} engine(s) x {spec.segment_mib} MiB"
+    else:
+        engines = " + ".join(f"{count} {name} engine(s) x {mib} MiB" for name, count, mib in counts)
+    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {engines} = {size}; "
+            f"every engine loads prefixes from it and stores what it computed")
 
 
 def _autoscaling_line(manifest: Manifest, warnings: list[str]) -> str | None:

@@ -113,7 +113,8 @@ def start_kv_pool(manifest: Manifest, progress=print) -> dict:
     address = ensure_pool(manifest.name, host=host, rpc_port=spec.master_rpc_port,
                           http_port=spec.master_http_port, node_id=node_id)
     progress(f"KV pool master at {address['master_address']} (metadata {address['metadata_url']}); "
-             f"each engine contributes {spec.segment_mib} MiB")
+             f"each engine contributes {spec.segment_mib} MiB"
+             + (f" (prefill engines {spec.prefill_segment_mib} MiB)" if spec.prefill_segment_mib is not None else ""))
     return address
 
 

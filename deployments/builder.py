@@ -103,10 +103,11 @@ def replica_count_options(manifest: Manifest, pool: PoolSpec) -> dict[str, Any]:
     }}
 
 
-def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secret: str = "") -> dict | None:
-    """What every engine's connector gets from the manifest: the transfer settings (P/D), the
-    application's lease-grant secret and the KV pool's settings with its master's address; None
-    when an engine needs no connector."""
+def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secret: str = "",
+                       role: str = "colocated") -> dict | None:
+    """What an engine's connector gets from the manifest: the transfer settings (P/D), the
+    application's lease-grant secret and the KV pool's settings with its master's address (the
+    segment it contributes depends on its pool's `role`); None when an engine needs no connector."""
     if not manifest.disaggregated and pool_address is None:
         return None
     settings = manifest.kv_transfer.model_dump()
@@ -116,7 +117,7 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
         settings["pool"] = {
             "backend": spec.backend, "master_address": pool_address["master_address"],
             "metadata_url": pool_address["metadata_url"], "protocol": spec.protocol,
-            "device_name": spec.device_name, "segment_bytes": spec.segment_mib << 20,
+            "device_name": spec.device_name, "segment_bytes": spec.segment_mib_for(role) << 20,
             "local_buffer_bytes": spec.local_buffer_mib << 20, "key_prefix": manifest.name,
             "failure_policy": manifest.kv_transfer.failure_policy, "retry_after_s": spec.retry_after_s,
         }
@@ -125,7 +126,7 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
 
 def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str,
                        pool_address: dict | None = None, grant_secret: str = ""):
-    kv_transfer = engine_kv_settings(manifest, pool_address, grant_secret)
+    kv_transfer = engine_kv_settings(manifest, pool_address, grant_secret, pool.role)
     if pool.expert_parallel is not None:
         rank_options = engine_actor_options(manifest, pool)
         rank_options.pop("label_selector", None)

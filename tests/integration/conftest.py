@@ -145,28 +145,69 @@ def remove_test_app(name: str) -> None:
         stop_pool(name)
 
 
+class ReferenceRun:
+    """Greedy outputs of one plain vLLM engine (tests/reference_engine.py), computed in a
+    subprocess started at once so that it overlaps a cluster start or a deploy, which mostly
+    wait on Ray and Serve; `outputs()` waits for it (its log's tail is in the error)."""
+
+    def __init__(self, args: list[str], out: Path, what: str, timeout_s: float = 600):
+        self.out, self.what = out, what
+        self._log_path = out.with_suffix(".log")
+        self._started = time.monotonic()
+        self._deadline = self._started + timeout_s
+        self._outputs: dict | None = None
+        with open(self._log_path, "wb") as log:
+            self._proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "reference_engine.py"), *args],
+                                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+
+    def outputs(self) -> dict:
+        if self._outputs is None:
+            try:
+                code = self._proc.wait(timeout=max(1.0, self._deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise AssertionError(f"{self.what}: the reference engine ran past its timeout; "
+                                     f"log: {self._log_tail()}") from None
+            if code != 0:
+                raise AssertionError(f"{self.what}: the reference engine exited with {code}; log: {self._log_tail()}")
+            self._outputs = json.loads(self.out.read_text())
+            _log(f"{self.what}: reference outputs ready {time.monotonic() - self._started:.0f}s after its start")
+        return self._outputs
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _log_tail(self) -> str:
+        try:
+            return self._log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(none)"
+
+
 @pytest.fixture(scope="session")
-def reference_outputs(tmp_path_factory) -> dict:
-    """Greedy outputs of one plain vLLM engine, computed once per session in a subprocess."""
+def reference_run(tmp_path_factory):
+    """The default model's reference, started before the cluster (the two overlap)."""
     from cluster.checkpoints import resolve_model_path
     from cluster.manifest import load_manifest
 
     manifest = load_manifest(DEFAULT_MANIFEST)
     out = tmp_path_factory.mktemp("reference") / "outputs.json"
-    started = time.monotonic()
-    _log("computing reference outputs with a plain vLLM engine")
-    subprocess.run(
-        [sys.executable, str(REPO / "tests" / "reference_engine.py"), str(resolve_model_path(manifest.model.path)),
-         str(out), "--max-model-len", str(manifest.model.max_model_len), "--dtype", manifest.model.dtype],
-        check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sys.stderr if os.environ.get("MOE_SERVE_TEST_VERBOSE") else subprocess.DEVNULL,
-        timeout=600,
-    )
-    _log(f"reference outputs ready in {time.monotonic() - started:.0f}s")
-    return json.loads(out.read_text())
+    _log("computing reference outputs with a plain vLLM engine (beside the cluster's start)")
+    run = ReferenceRun([str(resolve_model_path(manifest.model.path)), str(out), "--max-model-len",
+                        str(manifest.model.max_model_len), "--dtype", manifest.model.dtype], out, "default model")
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, reference_outputs) -> Stack:
+def reference_outputs(reference_run) -> dict:
+    return reference_run.outputs()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, reference_run) -> Stack:
     """The default manifest on a local multi-node cluster, deployed through `ray job submit`."""
     from cluster.local_cluster import ClusterPorts, LocalCluster
     from cluster.manifest import load_manifest, parse_manifest

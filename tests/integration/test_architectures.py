@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, TEST_HTTP_PORT, deploy_test_app, remove_test_app
+from tests.integration.conftest import REPO, TEST_HTTP_PORT, ReferenceRun, deploy_test_app, remove_test_app
 from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -53,13 +51,10 @@ def _log(message: str) -> None:
 REFERENCE_PROMPTS = ("short", "question", "long")
 
 
-def _reference(model_path: Path, out: Path, dtype: str) -> dict:
-    subprocess.run([sys.executable, str(REPO / "tests" / "reference_engine.py"), str(model_path), str(out),
-                    "--dtype", dtype, "--one-at-a-time", "--prompts", ",".join(REFERENCE_PROMPTS)],
-                   check=True, cwd=REPO, timeout=600,
-                   stdout=subprocess.DEVNULL,
-                   stderr=sys.stderr if os.environ.get("MOE_SERVE_TEST_VERBOSE") else subprocess.DEVNULL)
-    return json.loads(out.read_text())
+def _reference(model_path: Path, out: Path, dtype: str, model: str) -> ReferenceRun:
+    """Started at once; it runs beside the deploy and is waited for by the first comparison."""
+    return ReferenceRun([str(model_path), str(out), "--dtype", dtype, "--one-at-a-time",
+                         "--prompts", ",".join(REFERENCE_PROMPTS)], out, model)
 
 
 def _manifest_data(model: str, colocated: bool, pool: bool = False, prefix_routing: bool = False) -> dict:
@@ -80,10 +75,15 @@ def _manifest_data(model: str, colocated: bool, pool: bool = False, prefix_routi
 
 
 class ArchStack:
-    def __init__(self, stack, model: str, reference: dict):
-        self.model, self.reference, self.stack = model, reference, stack
+    def __init__(self, stack, model: str, reference: ReferenceRun):
+        self.model, self.stack = model, stack
+        self._reference = reference
         self.app = None
         self.base_url = None
+
+    @property
+    def reference(self) -> dict:
+        return self._reference.outputs()
 
     def deploy(self, colocated: bool, pool: bool = False, prefix_routing: bool = False) -> None:
         data = _manifest_data(self.model, colocated, pool, prefix_routing)
@@ -113,14 +113,15 @@ def arch(request, stack, tmp_path_factory):
 
     model = request.param
     manifest = yaml.safe_load((REPO / "manifests" / MODELS[model][0]).read_text())
-    _log(f"reference outputs of {model} (one prompt at a time)")
+    _log(f"reference outputs of {model} (one prompt at a time), beside its deploy")
     reference = _reference(resolve_model_path(manifest["model"]["path"]),
-                           tmp_path_factory.mktemp("ref") / "outputs.json", manifest["model"]["dtype"])
+                           tmp_path_factory.mktemp("ref") / "outputs.json", manifest["model"]["dtype"], model)
     arch_stack = ArchStack(stack, model, reference)
-    arch_stack.deploy(colocated=False)
     try:
+        arch_stack.deploy(colocated=False)
         yield arch_stack
     finally:
+        reference.stop()
         if arch_stack.app:
             remove_test_app(arch_stack.app)
 

@@ -244,7 +244,7 @@ def test_load_step_scales_the_right_pool_out_then_in_without_flapping(autoscaled
     with ReplicaSampler(autoscaled.app) as replicas:
         # 1. Low load (running since the deploy): a short request now and then. Nothing moves.
         with autoscaled.low_load as low:
-            time.sleep(20)
+            time.sleep(12)  # six decisions
             assert all(d["targets"] == {"prefill": 1, "decode": 1} for d in autoscaled.decisions()), \
                 autoscaled.decisions()[-3:]
 

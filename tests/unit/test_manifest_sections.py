@@ -30,6 +30,25 @@ def test_kv_pool_segment_below_mooncakes_minimum_is_refused():
     assert "kv_pool.segment_mib" in str(error)
 
 
+def test_prefill_may_contribute_no_pool_memory_but_not_less_than_mooncakes_minimum():
+    spec = parse_manifest({**raw(LOCAL), "kv_pool": {**raw(LOCAL)["kv_pool"], "prefill_segment_mib": 0}}).kv_pool
+    assert (spec.segment_mib_for("prefill"), spec.segment_mib_for("decode"), spec.segment_mib_for("colocated")) \
+        == (0, 256, 256)
+    assert load_manifest(LOCAL).kv_pool.segment_mib_for("prefill") == load_manifest(LOCAL).kv_pool.segment_mib
+    error = broken(LOCAL, lambda d: d["kv_pool"].update(prefill_segment_mib=8))
+    issue = only_issue(error)
+    assert issue.field == "kv_pool.prefill_segment_mib" and "at least 16" in str(error)
+    # What each engine's connector is given: its own role's segment, the same master and keys.
+    from deployments.builder import engine_kv_settings
+
+    address = {"master_address": "10.0.0.1:50051", "metadata_url": "http://10.0.0.1:8080/metadata"}
+    manifest = parse_manifest({**raw(LOCAL), "kv_pool": {**raw(LOCAL)["kv_pool"], "prefill_segment_mib": 0}})
+    prefill, decode = (engine_kv_settings(manifest, address, "secret", role)["pool"] for role in ("prefill", "decode"))
+    assert (prefill["segment_bytes"], decode["segment_bytes"]) == (0, 256 << 20)
+    assert {k: v for k, v in prefill.items() if k != "segment_bytes"} == \
+        {k: v for k, v in decode.items() if k != "segment_bytes"}
+
+
 def test_fractional_cpu_kv_cache_is_refused_before_vllm_fails_on_it():
     error = broken(LOCAL, lambda d: d["pools"][0]["engine"].update(cpu_kvcache_space_gib=0.5))
     assert "cpu_kvcache_space_gib" in str(error)

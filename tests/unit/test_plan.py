@@ -338,3 +338,9 @@ def test_the_prefix_routers_learn_the_kv_pool_capacity_in_their_blocks():
     off = parse_manifest({**yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "local.yaml")
                                           .read_text()), "kv_pool": {"enabled": False}})
     assert kv_pool_capacity_tokens(off, facts) == 0
+    # Prefill contributing nothing: the decode group's two ranks hold the pool.
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "local.yaml").read_text())
+    data["kv_pool"]["prefill_segment_mib"] = 0
+    assert kv_pool_capacity_tokens(parse_manifest(data), facts) == 2 * 256 * 2**20 // 2048
+    line = make_plan(parse_manifest(data), facts).kv_pool
+    assert "1 prefill engine(s) x 0 MiB + 2 decode engine(s) x 256 MiB = 0.50 GiB" in line, line
