@@ -1,10 +1,11 @@
-"""P/D pair choice, conditional disaggregation and admission control, on hand-made states."""
+"""Conditional disaggregation (decode chosen first, then whether to skip the remote prefill)
+and admission control, on hand-made states."""
 
 import pytest
 
 from deployments.routing.admission import AdmissionGate, AdmissionLimits
 from deployments.routing.block_hashes import prompt_block_hashes
-from deployments.routing.pairing import DisaggregationRule, PairRouter
+from deployments.routing.pairing import DisaggregationRule, local_prefill_reason
 from deployments.routing.policies import PrefixAware
 from deployments.routing.state import ReplicaState, RoutingRequest
 
@@ -20,57 +21,41 @@ def req(tokens):
     return RoutingRequest(prompt_block_hashes(tokens, BLOCK))
 
 
-def router(**rule):
-    return PairRouter(PrefixAware(), BLOCK, DisaggregationRule(**rule))
+def decide(tokens, decode_policy=None, decodes=("d0",), pool_hit_blocks=0, **rule):
+    """As the ingress decides: decode by its policy first, then rule 2 on that replica."""
+    decision = (decode_policy or PrefixAware()).choose(req(tokens), idle(*decodes), NOW)
+    return decision, local_prefill_reason(decision, len(tokens), BLOCK, pool_hit_blocks, DisaggregationRule(**rule))
 
 
 def test_a_long_uncached_prompt_goes_to_a_remote_prefill():
-    tokens = list(range(1024))
-    decision = router().choose(req(tokens), len(tokens), idle("d0", "d1"), idle("p0", "p1"), 0, NOW)
-    assert decision.reason == "remote_prefill" and decision.prefill is not None
-    assert decision.uncached_tokens == 1024
+    decision, reason = decide(list(range(1024)), decodes=("d0", "d1"))
+    assert reason is None and decision.replica_id in ("d0", "d1")
 
 
 def test_a_short_prompt_is_computed_on_decode():
-    tokens = list(range(100))
-    decision = router(min_uncached_tokens=256).choose(req(tokens), 100, idle("d0"), idle("p0"), 0, NOW)
-    assert (decision.prefill, decision.reason, decision.uncached_tokens) == (None, "short_uncached", 100)
+    assert decide(list(range(100)), min_uncached_tokens=256)[1] == "short_uncached"
+    assert decide(list(range(300)), min_uncached_tokens=256)[1] is None
 
 
 def test_a_long_prompt_whose_prefix_the_pool_holds_is_short_work():
-    tokens = list(range(1024))
-    decision = router(min_uncached_tokens=256).choose(req(tokens), 1024, idle("d0"), idle("p0"), 60, NOW)
-    assert (decision.reason, decision.uncached_tokens) == ("short_uncached", 1024 - 60 * BLOCK)
+    # 1024 tokens, 60 blocks (960) in the pool: 64 uncached tokens.
+    assert decide(list(range(1024)), pool_hit_blocks=60, min_uncached_tokens=256)[1] == "short_uncached"
+    assert decide(list(range(1024)), pool_hit_blocks=40, min_uncached_tokens=256)[1] is None
 
 
 def test_decode_that_already_holds_most_of_the_prompt_keeps_it_local():
-    pair = router(min_uncached_tokens=0, local_hit_fraction=0.8)
+    policy = PrefixAware()
     history = list(range(1024))
-    pair.choose(req(history), 1024, idle("d0"), idle("p0"), 0, NOW)  # turn 1: d0 computes the history
-    turn2 = history + list(range(5000, 5128))
-    decision = pair.choose(req(turn2), len(turn2), idle("d0"), idle("p0"), 0, NOW)
-    assert (decision.decode.replica_id, decision.reason) == ("d0", "decode_holds_prefix")
-    assert decision.decode.expected_hit_blocks == 64
+    decide(history, policy, min_uncached_tokens=0)  # turn 1: d0 computes the history
+    decision, reason = decide(history + list(range(5000, 5128)), policy, min_uncached_tokens=0, local_hit_fraction=0.8)
+    assert (decision.replica_id, decision.expected_hit_blocks, reason) == ("d0", 64, "decode_holds_prefix")
+    # A stricter threshold (the history is 89% of this prompt) sends it to a remote prefill.
+    decision, reason = decide(history + list(range(6000, 6128)), policy, min_uncached_tokens=0, local_hit_fraction=0.95)
+    assert reason is None
 
 
-def test_prefill_is_chosen_by_blocks_to_compute_plus_its_queue():
-    pair = router(min_uncached_tokens=0, local_hit_fraction=1.1, queued_request_blocks=8)
-    shared = list(range(2048))  # 128 blocks
-    pair.prefill_index.record_routed("p1", req(shared).block_hashes)
-    decodes = idle("d0")
-    # p1 holds the prefix: 128 fewer blocks to compute outweighs 3 queued requests (24 blocks).
-    prefills = [ReplicaState("p0", reported_at_s=NOW), ReplicaState("p1", ongoing=3, reported_at_s=NOW)]
-    assert pair.choose(req(shared + [1] * 64), 2112, decodes, prefills, 0, NOW).prefill.replica_id == "p1"
-    # 20 queued requests (160 blocks) outweigh it.
-    prefills = [ReplicaState("p0", reported_at_s=NOW), ReplicaState("p1", ongoing=20, reported_at_s=NOW)]
-    assert pair.choose(req(shared + [2] * 64), 2112, decodes, prefills, 0, NOW).prefill.replica_id == "p0"
-
-
-def test_no_prefill_replica_means_decode_computes_and_no_decode_means_no_decision():
-    tokens = list(range(1024))
-    decision = router(min_uncached_tokens=0).choose(req(tokens), 1024, idle("d0"), [], 0, NOW)
-    assert (decision.prefill, decision.reason) == (None, "no_prefill_replica")
-    assert router().choose(req(tokens), 1024, [], idle("p0"), 0, NOW) is None
+def test_no_decode_replica_means_no_decision():
+    assert PrefixAware().choose(req(list(range(1024))), [], NOW) is None
 
 
 def gate(**kw):
