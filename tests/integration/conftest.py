@@ -147,8 +147,10 @@ def remove_test_app(name: str) -> None:
 
 class ReferenceRun:
     """Greedy outputs of one plain vLLM engine (tests/reference_engine.py), computed in a
-    subprocess started at once so that it overlaps a cluster start or a deploy, which mostly
-    wait on Ray and Serve; `outputs()` waits for it (its log's tail is in the error)."""
+    subprocess; `outputs()` waits for it, and a failure shows the tail of its log.
+    Started beside a deploy it saved nothing (CI, 2026-12-06: the DeepSeek P/D deploy took as
+    long as reference plus deploy had, both fighting for two cores), so callers wait for it
+    before they start a cluster or a deploy."""
 
     def __init__(self, args: list[str], out: Path, what: str, timeout_s: float = 600):
         self.out, self.what = out, what
@@ -187,27 +189,24 @@ class ReferenceRun:
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory):
-    """The default model's reference, started before the cluster (the two overlap)."""
+def reference_outputs(tmp_path_factory) -> dict:
+    """Greedy outputs of one plain vLLM engine, computed once per session in a subprocess."""
     from cluster.checkpoints import resolve_model_path
     from cluster.manifest import load_manifest
 
     manifest = load_manifest(DEFAULT_MANIFEST)
     out = tmp_path_factory.mktemp("reference") / "outputs.json"
-    _log("computing reference outputs with a plain vLLM engine (beside the cluster's start)")
+    _log("computing reference outputs with a plain vLLM engine")
     run = ReferenceRun([str(resolve_model_path(manifest.model.path)), str(out), "--max-model-len",
                         str(manifest.model.max_model_len), "--dtype", manifest.model.dtype], out, "default model")
-    yield run
-    run.stop()
+    try:
+        return run.outputs()
+    finally:
+        run.stop()
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(reference_run) -> dict:
-    return reference_run.outputs()
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory, reference_run) -> Stack:
+def stack(tmp_path_factory, reference_outputs) -> Stack:
     """The default manifest on a local multi-node cluster, deployed through `ray job submit`."""
     from cluster.local_cluster import ClusterPorts, LocalCluster
     from cluster.manifest import load_manifest, parse_manifest
