@@ -126,14 +126,14 @@ def test_every_dashboard_and_alert_query_returns_data(stack, observed):
     # gauges (requests running and waiting) leave the nodes' metrics endpoints for ~10 s at a
     # time while an engine idles (watched on a node's endpoint every 5 s, 2026-12-06), and an
     # instant query finds nothing during such a gap.
-    empty = dict((key, expr) for expr, key in expressions.items())
+    empty = dict(expressions)  # expression -> what shows it
     deadline = time.monotonic() + 45
     while True:
-        empty = {key: expr for key, expr in empty.items() if not api.query(expr)}
+        empty = {expr: key for expr, key in empty.items() if not api.query(expr)}
         if not empty or time.monotonic() > deadline:
             break
         time.sleep(3)
-    assert not empty, "queries without data:\n" + "\n".join(f"{k}: {e}" for k, e in empty.items())
+    assert not empty, "queries without data:\n" + "\n".join(f"{k}: {e}" for e, k in empty.items())
 
 
 def test_provoked_alerts_fire(stack, observed):
