@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.bench_routing import BLOCK, HTTP_PORT, make_trace, run_round
+from benchmarks.bench_routing import BLOCK, HTTP_PORT, TABLE_ROWS, add_trace_arguments, make_trace, run_round
 from benchmarks.rounds import write_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,17 +59,7 @@ def app_manifest(policy: str, args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-tokens", type=int, default=256)
-    parser.add_argument("--document-tokens", type=int, default=1024)
-    parser.add_argument("--question-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--think-s", type=float, default=1.0)
-    parser.add_argument("--stagger-s", type=float, default=0.5)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--engine-blocks", type=int, default=256, help="each rank's KV cache, 128-token blocks")
-    parser.add_argument("--ttft-slo-ms", type=float, default=2000)
+    add_trace_arguments(parser, conversations=8)
     parser.add_argument("--out", default=str(RESULTS / "ep_rank_routing.json"))
     args = parser.parse_args()
 
@@ -99,16 +89,13 @@ def main() -> int:
         ray.shutdown()
         cluster.shutdown()
 
-    rows = [("reusable prompt tokens found cached (turns 2+)", "hit_share", "{:.0%}"),
-            ("TTFT p50 ms (turns 2+)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 ms (turns 2+)", "ttft_p90_ms", "{:.0f}"),
-            ("TTFT p99 ms (turns 2+)", "ttft_p99_ms", "{:.0f}"), ("goodput (turns in TTFT SLO)/s", "goodput_per_s", "{:.2f}")]
     print(f"\ntrace: {args.conversations} conversations x {args.turns} turns, {args.system_tokens}-token shared system "
           f"prompt + {args.document_tokens}-token document each, {args.question_tokens}-token questions, "
           f"{args.output_tokens} output tokens; one expert-parallel group of 2 ranks, {args.engine_blocks * BLOCK:,} "
           f"KV tokens each; median of {args.rounds} rounds per policy, alternating\n")
     print("| metric | least_loaded | prefix | prefix / least_loaded |\n|---|---:|---:|---:|")
     table = {}
-    for label, key, fmt in rows:
+    for label, key, fmt in TABLE_ROWS:
         values = {p: statistics.median(r[key] for r in results[p]) for p in POLICIES}
         table[label] = values
         ratio = values["prefix"] / values["least_loaded"] if values["least_loaded"] else float("nan")

@@ -73,6 +73,28 @@ def app_manifest(policy: str, args) -> dict:
     return data
 
 
+# What run_round reports, as table rows: (label, key, format).
+TABLE_ROWS = [("reusable prompt tokens found cached (turns 2+)", "hit_share", "{:.0%}"),
+              ("TTFT p50 ms (turns 2+)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 ms (turns 2+)", "ttft_p90_ms", "{:.0f}"),
+              ("TTFT p99 ms (turns 2+)", "ttft_p99_ms", "{:.0f}"),
+              ("goodput (turns in TTFT SLO)/s", "goodput_per_s", "{:.2f}")]
+
+
+def add_trace_arguments(parser, conversations: int) -> None:
+    """The trace's and the engines' options (make_trace, run_round, app manifests)."""
+    parser.add_argument("--conversations", type=int, default=conversations)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--document-tokens", type=int, default=1024)
+    parser.add_argument("--question-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--think-s", type=float, default=1.0)
+    parser.add_argument("--stagger-s", type=float, default=0.5)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--engine-blocks", type=int, default=256, help="each engine's KV cache, 128-token blocks")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000)
+
+
 def make_trace(args, seed: int) -> list[dict]:
     rng = random.Random(seed)
     system = [rng.randrange(*VOCAB) for _ in range(args.system_tokens)]
@@ -223,18 +245,8 @@ def _pct(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-tokens", type=int, default=256)
-    parser.add_argument("--document-tokens", type=int, default=1024)
-    parser.add_argument("--question-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--think-s", type=float, default=1.0)
-    parser.add_argument("--stagger-s", type=float, default=0.5)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    add_trace_arguments(parser, conversations=12)
     parser.add_argument("--queued-per-replica", type=int, default=8)
-    parser.add_argument("--engine-blocks", type=int, default=256, help="each engine's KV cache, 128-token blocks")
-    parser.add_argument("--ttft-slo-ms", type=float, default=2000)
     parser.add_argument("--front", default="haproxy", choices=["haproxy", "serve_proxy"],
                         help="the applications' http.front")
     parser.add_argument("--model", default="tiny", choices=["tiny", "wide"],
@@ -276,16 +288,13 @@ def main() -> int:
         cluster.shutdown()
 
     decisions = decision_latency()
-    rows = [("reusable prompt tokens found cached (turns 2+)", "hit_share", "{:.0%}"),
-            ("TTFT p50 ms (turns 2+)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 ms (turns 2+)", "ttft_p90_ms", "{:.0f}"),
-            ("TTFT p99 ms (turns 2+)", "ttft_p99_ms", "{:.0f}"), ("goodput (turns in TTFT SLO)/s", "goodput_per_s", "{:.2f}")]
     print(f"\nmodel {args.model}; trace: {args.conversations} conversations x {args.turns} turns, {args.system_tokens}-token shared system "
           f"prompt + {args.document_tokens}-token document each, {args.question_tokens}-token questions, "
           f"{args.output_tokens} output tokens; 2 engine replicas of {args.engine_blocks * BLOCK:,} KV tokens each; "
           f"median of {args.rounds} rounds per policy, alternating\n")
     print("| metric | " + " | ".join(POLICIES) + " | prefix / round_robin |\n|---|" + "---:|" * (len(POLICIES) + 1))
     table = {}
-    for label, key, fmt in rows:
+    for label, key, fmt in TABLE_ROWS:
         values = {p: statistics.median(r[key] for r in results[p]) for p in POLICIES}
         table[label] = values
         ratio = values["prefix"] / values["round_robin"] if values["round_robin"] else float("nan")
