@@ -5,7 +5,7 @@ can still hand back the wrong bytes: a key collision across models or layouts, a
 object, memory that went bad, a bug. So every object starts with a fixed 64-byte header
 
     magic "MSKV" | version u16 | reserved u16 | key digest 16B | token digest 16B |
-    layers u32 | page bytes u64 | payload bytes u64 | payload crc32 u32 | zero padding
+    layers u32 | page bytes u64 | payload XXH3-64 u64 | reserved u32
 
 and a load uses the payload only if every field matches what the loading engine expects:
 the key it asked for, the token ids of that block, its own layout, and the checksum of the
@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.pool.checksum import crc32
+from kv_transfer.pool.checksum import xxh3_64
 
 MAGIC = b"MSKV"
-VERSION = 1
+# 2: the payload's checksum is XXH3-64 (1 had CRC-32 and the payload's length); a version-1
+# object left in a pool is refused like any foreign object and its block recomputed.
+VERSION = 2
 HEADER_BYTES = 64
-_FORMAT = "<4sHH16s16sIQQI"  # 4+2+2+16+16+4+8+8+4 = 64, no padding with "<"
+_FORMAT = "<4sHH16s16sIQQ4x"  # 4+2+2+16+16+4+8+8+4 = 64, no padding with "<"
 assert struct.calcsize(_FORMAT) == HEADER_BYTES
 
 
@@ -60,26 +62,26 @@ def token_digest(token_ids: Sequence[int]) -> bytes:
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:
-    return crc32(payload)  # keeps the GIL: see checksum.py
+    return xxh3_64(payload)  # keeps the GIL: see checksum.py
 
 
 def encode_header(key: str, tokens: bytes, layout: BlockLayout, checksum: int) -> bytes:
     return struct.pack(_FORMAT, MAGIC, VERSION, 0, key_digest(key), tokens, layout.num_layers,
-                       layout.page_bytes, layout.payload_bytes, checksum)
+                       layout.page_bytes, checksum)
 
 
 def verify(obj: memoryview, key: str, tokens: bytes, layout: BlockLayout) -> memoryview:
     """The payload of `obj` if it is the object `key` for these tokens in this layout."""
     if len(obj) != layout.object_bytes:
         raise CorruptObject(f"{key}: {len(obj)} bytes, expected {layout.object_bytes}")
-    magic, version, _, kdigest, tdigest, layers, page, payload_len, checksum = struct.unpack_from(_FORMAT, obj)
+    magic, version, _, kdigest, tdigest, layers, page, checksum = struct.unpack_from(_FORMAT, obj)
     if magic != MAGIC or version != VERSION:
         raise CorruptObject(f"{key}: not a moe-serve KV object (magic {magic!r}, version {version})")
     if kdigest != key_digest(key):
         raise CorruptObject(f"{key}: header names another key")
     if tdigest != tokens:
         raise CorruptObject(f"{key}: cached for other token ids")
-    if (layers, page, payload_len) != (layout.num_layers, layout.page_bytes, layout.payload_bytes):
+    if (layers, page) != (layout.num_layers, layout.page_bytes):
         raise CorruptObject(f"{key}: layout {layers} layers x {page} B, expected "
                             f"{layout.num_layers} x {layout.page_bytes} B")
     payload = obj[HEADER_BYTES:]
