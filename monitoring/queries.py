@@ -38,6 +38,18 @@ def recent_increase(selector: str, window: str = "10m") -> str:
     return f"clamp_min(({selector} - {selector} offset {window}) or {selector}, 0)"
 
 
+def held(selector: str, window: str = "30s") -> str:
+    """Each series' latest sample within `window`, for gauges that leave their endpoint now and then.
+
+    vLLM's engine gauges (requests running and waiting, KV cache usage), recorded through Ray's
+    metrics agent, vanish from a node's metrics endpoint for ~10 s at a time, about every 30 s
+    (measured on a local cluster, idle or serving): an instant query in such a gap finds no
+    series and the panel blinks to "no data". Holding the last sample for 30 s (six scrapes)
+    bridges the gaps; a series that is gone for good leaves the panel 30 s later.
+    """
+    return f"last_over_time({selector}[{window}])"
+
+
 @dataclass(frozen=True)
 class Query:
     key: str
@@ -82,11 +94,11 @@ REPLICAS_HEALTHY = Query("replicas_healthy",
                          "{{deployment}}", "short", "Healthy Serve replicas per deployment")
 SERVE_QUEUED = Query("serve_queued", "sum by (deployment) (ray_serve_deployment_queued_queries)",
                      "{{deployment}}", "short", "Requests queued at Serve handles")
-ENGINE_RUNNING = Query("engine_running", "sum by (model_name) (ray_vllm_num_requests_running)",
+ENGINE_RUNNING = Query("engine_running", f"sum by (model_name) ({held('ray_vllm_num_requests_running')})",
                        "running", "short", "vLLM requests running")
-ENGINE_WAITING = Query("engine_waiting", "sum by (model_name) (ray_vllm_num_requests_waiting)",
+ENGINE_WAITING = Query("engine_waiting", f"sum by (model_name) ({held('ray_vllm_num_requests_waiting')})",
                        "waiting", "short", "vLLM requests waiting")
-KV_CACHE_USAGE = Query("kv_cache_usage", "max by (ReplicaId) (ray_vllm_kv_cache_usage_perc)",
+KV_CACHE_USAGE = Query("kv_cache_usage", f"max by (ReplicaId) ({held('ray_vllm_kv_cache_usage_perc')})",
                        "{{ReplicaId}}", "percentunit", "vLLM KV cache usage per engine")
 REPLICA_STARTS = Query("replica_starts",
                        f"sum by (deployment) ({recent_increase('ray_serve_deployment_replica_starts_total')})",
