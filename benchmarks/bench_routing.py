@@ -20,6 +20,11 @@ The same with a wider, deeper variant of the tiny model (`checkpoint_variants.wi
 whose prefill is costly enough that a cache miss shows in TTFT as it does on GPUs.
 Writes benchmarks/results/routing-wide.json.
 
+`--replicas N` gives each application N engine replicas (default 2; a blind router misses a
+conversation's replica more often the more there are), `--policies` picks the applications
+(default all three; every application's engines run at once, so fewer policies leave memory
+for more replicas).
+
     .venv/bin/python -m benchmarks.bench_routing --burst-only --rounds 5
 
 Only the burst, for each HTTP front in turn (`--fronts`, default HAProxy then Serve's Python
@@ -68,7 +73,8 @@ def app_manifest(policy: str, args) -> dict:
     decode.pop("expert_parallel")
     engine = {**decode["engine"], "enable_prefix_caching": True, "max_num_seqs": args.max_num_seqs,
               "extra_args": {"num_gpu_blocks_override": args.engine_blocks}}
-    data["pools"] = [{**decode, "name": "engine", "role": "colocated", "replicas": 2, "engine": engine,
+    data["pools"] = [{**decode, "name": "engine", "role": "colocated", "replicas": getattr(args, "replicas", 2),
+                      "engine": engine,
                       "placement": {"num_cpus": 1}, "routing": {"policy": policy}}]
     return data
 
@@ -197,7 +203,7 @@ def burst_by_front(args) -> int:
     from cluster.manifest import parse_manifest
     from cluster.serve_control import connect, deploy
 
-    bound = 2 * (args.max_num_seqs + args.queued_per_replica)
+    bound = args.replicas * (args.max_num_seqs + args.queued_per_replica)
     rows = {}
     for front in args.fronts.split(","):
         args.front = front
@@ -251,6 +257,8 @@ def main() -> int:
                         help="the applications' http.front")
     parser.add_argument("--model", default="tiny", choices=["tiny", "wide"],
                         help="the builtin tiny Qwen3-MoE, or a variant ~10x as costly to prefill (checkpoint_variants)")
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas per application")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="the applications, one per policy")
     parser.add_argument("--burst-only", action="store_true", help="only the admission burst, once per --fronts")
     parser.add_argument("--fronts", default="haproxy,serve_proxy")
     parser.add_argument("--out", default=None, help="default benchmarks/results/routing[-wide].json")
@@ -265,20 +273,21 @@ def main() -> int:
     from cluster.manifest import parse_manifest
     from cluster.serve_control import connect, deploy
 
-    apps = {policy: parse_manifest(app_manifest(policy, args), policy) for policy in POLICIES}
-    cluster = LocalCluster.for_manifest(apps["prefix"]).start(progress=_log)
-    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    policies = args.policies.split(",")
+    apps = {policy: parse_manifest(app_manifest(policy, args), policy) for policy in policies}
+    cluster = LocalCluster.for_manifest(apps[policies[-1]]).start(progress=_log)
+    results: dict[str, list[dict]] = {policy: [] for policy in policies}
     try:
         connect(cluster.address)
         urls = {policy: deploy(manifest, progress=_log).url for policy, manifest in apps.items()}
-        model = apps["prefix"].model.name
+        model = apps[policies[-1]].model.name
         for index in range(args.rounds):
-            for policy in POLICIES:
+            for policy in policies:
                 summary = asyncio.run(run_round(urls[policy], model, make_trace(args, seed=100 + index), args))
                 results[policy].append(summary)
                 _log(f"round {index + 1} {policy}: hit {summary['hit_share']:.0%}, TTFT p50 {summary['ttft_p50_ms']:.0f} ms")
-        bound = 2 * (args.max_num_seqs + args.queued_per_replica)
-        overload = asyncio.run(burst(urls["prefix"], model, 3 * bound))
+        bound = args.replicas * (args.max_num_seqs + args.queued_per_replica)
+        overload = asyncio.run(burst(urls["prefix"], model, 3 * bound)) if "prefix" in urls else None
     finally:
         import ray
         from ray import serve
@@ -290,20 +299,22 @@ def main() -> int:
     decisions = decision_latency()
     print(f"\nmodel {args.model}; trace: {args.conversations} conversations x {args.turns} turns, {args.system_tokens}-token shared system "
           f"prompt + {args.document_tokens}-token document each, {args.question_tokens}-token questions, "
-          f"{args.output_tokens} output tokens; 2 engine replicas of {args.engine_blocks * BLOCK:,} KV tokens each; "
+          f"{args.output_tokens} output tokens; {args.replicas} engine replicas of {args.engine_blocks * BLOCK:,} KV tokens each; "
           f"median of {args.rounds} rounds per policy, alternating\n")
-    print("| metric | " + " | ".join(POLICIES) + " | prefix / round_robin |\n|---|" + "---:|" * (len(POLICIES) + 1))
+    print("| metric | " + " | ".join(policies) + " | prefix / round_robin |\n|---|" + "---:|" * (len(policies) + 1))
     table = {}
     for label, key, fmt in TABLE_ROWS:
-        values = {p: statistics.median(r[key] for r in results[p]) for p in POLICIES}
+        values = {p: statistics.median(r[key] for r in results[p]) for p in policies}
         table[label] = values
-        ratio = values["prefix"] / values["round_robin"] if values["round_robin"] else float("nan")
-        print(f"| {label} | " + " | ".join(fmt.format(values[p]) for p in POLICIES) + f" | {ratio:.2f} |")
+        ratio = values["prefix"] / values["round_robin"] if values.get("round_robin") and "prefix" in values \
+            else float("nan")
+        print(f"| {label} | " + " | ".join(fmt.format(values[p]) for p in policies) + f" | {ratio:.2f} |")
     print(f"\nprefix policy decision: p50 {decisions['p50_us']:.0f} us, p99 {decisions['p99_us']:.0f} us "
           "(8 replicas, 4096-block indices, prompts up to 256 blocks)")
-    print(f"burst of {overload['requests']} at once (3x the admission bound of {bound}): {overload['admitted']} admitted, "
-          f"{overload['rejected']} got 429 (p50 {overload['reject_p50_ms']:.0f} ms, p99 {overload['reject_p99_ms']:.0f} ms), "
-          f"{overload['other']} other")
+    if overload:
+        print(f"burst of {overload['requests']} at once (3x the admission bound of {bound}): "
+              f"{overload['admitted']} admitted, {overload['rejected']} got 429 (p50 {overload['reject_p50_ms']:.0f} ms, "
+              f"p99 {overload['reject_p99_ms']:.0f} ms), {overload['other']} other")
     out = Path(args.out)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "cpus": os.cpu_count(), "args": vars(args), "table": table, "decision": decisions,
