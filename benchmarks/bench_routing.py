@@ -75,7 +75,7 @@ def app_manifest(policy: str, args) -> dict:
               "extra_args": {"num_gpu_blocks_override": args.engine_blocks}}
     data["pools"] = [{**decode, "name": "engine", "role": "colocated", "replicas": getattr(args, "replicas", 2),
                       "engine": engine,
-                      "placement": {"num_cpus": 1}, "routing": {"policy": policy}}]
+                      "placement": {"num_cpus": getattr(args, "engine_cpus", 1.0)}, "routing": {"policy": policy}}]
     return data
 
 
@@ -259,6 +259,8 @@ def main() -> int:
                         help="the builtin tiny Qwen3-MoE, or a variant ~10x as costly to prefill (checkpoint_variants)")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas per application")
     parser.add_argument("--policies", default=",".join(POLICIES), help="the applications, one per policy")
+    parser.add_argument("--engine-cpus", type=float, default=1.0,
+                        help="Ray CPUs per engine replica; the local cluster has 8 (lower it for more replicas)")
     parser.add_argument("--burst-only", action="store_true", help="only the admission burst, once per --fronts")
     parser.add_argument("--fronts", default="haproxy,serve_proxy")
     parser.add_argument("--out", default=None, help="default benchmarks/results/routing[-wide].json")
@@ -301,12 +303,13 @@ def main() -> int:
           f"prompt + {args.document_tokens}-token document each, {args.question_tokens}-token questions, "
           f"{args.output_tokens} output tokens; {args.replicas} engine replicas of {args.engine_blocks * BLOCK:,} KV tokens each; "
           f"median of {args.rounds} rounds per policy, alternating\n")
-    print("| metric | " + " | ".join(policies) + " | prefix / round_robin |\n|---|" + "---:|" * (len(policies) + 1))
+    baseline = "round_robin" if "round_robin" in policies else next((p for p in policies if p != "prefix"), None)
+    print("| metric | " + " | ".join(policies) + f" | prefix / {baseline} |\n|---|" + "---:|" * (len(policies) + 1))
     table = {}
     for label, key, fmt in TABLE_ROWS:
         values = {p: statistics.median(r[key] for r in results[p]) for p in policies}
         table[label] = values
-        ratio = values["prefix"] / values["round_robin"] if values.get("round_robin") and "prefix" in values \
+        ratio = values["prefix"] / values[baseline] if baseline and values[baseline] and "prefix" in values \
             else float("nan")
         print(f"| {label} | " + " | ".join(fmt.format(values[p]) for p in policies) + f" | {ratio:.2f} |")
     print(f"\nprefix policy decision: p50 {decisions['p50_us']:.0f} us, p99 {decisions['p99_us']:.0f} us "
