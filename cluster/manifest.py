@@ -105,6 +105,10 @@ class EngineSpec(_Strict):
     """Deltas of one request arriving within this window are sent between replicas as one
     (the first token is never delayed). Cuts per-token overhead at high concurrency; 0 sends
     every engine step's delta on its own."""
+    nice: Annotated[int | None, Field(ge=0, le=19)] = None
+    """Linux niceness of the engine's processes. Unset: 19 on CPU engines, which share their
+    cores with the HTTP front and the ingress, so a 429 or a streamed token never waits behind a
+    forward pass (deployments/engine/cpu_priority.py); Ray's (15) on GPU engines."""
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Further vLLM AsyncEngineArgs fields, passed through verbatim (checked against vLLM's
     fields when the engine starts)."""

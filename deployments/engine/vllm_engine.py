@@ -168,6 +168,10 @@ class VLLMEngine:
         fields = engine_args_dict(model, engine, model_path)
         from vllm.platforms import current_platform
 
+        from deployments.engine.cpu_priority import engine_niceness, set_process_niceness
+
+        # Before AsyncLLM starts the engine-core and worker processes: they inherit it.
+        set_process_niceness(engine_niceness(engine.get("nice"), current_platform.is_cpu()))
         backend = cpu_attention_backend(_hf_config(model_path), model["dtype"]) if current_platform.is_cpu() else None
         if backend and "attention_backend" not in fields and "attention_config" not in fields:
             fields["attention_backend"] = backend
