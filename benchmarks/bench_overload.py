@@ -18,6 +18,11 @@ bound = 2 x (max_num_seqs + max_queued_per_replica)) on a local cluster, then pe
    with the bound at 8 running + 8 queued per engine, an admitted request waits for at most
    one batch ahead of it.
 
+`--engine-nice 15,19` alternates rounds between the engines at each niceness (every thread of
+the application's engine replicas and of the vLLM processes under them is set before the
+round; 15 is Ray's worker niceness, 19 the CPU default of deployments/engine/cpu_priority.py)
+and reports the medians per niceness side by side.
+
 Reported per round and as medians over rounds: R, the offered rate, admitted/s, the 429s'
 latency p50/p90/p99, the admitted requests' TTFT p50/p99 and the share within the SLO,
 failures and hangs. Every request streams (TTFT); prompts are token ids, distinct per
@@ -144,6 +149,21 @@ async def _sent_at(offset_s: float, request) -> dict:
     return {**await request, "sent_at_s": offset_s}
 
 
+def set_engine_niceness(app: str, nice: int) -> int:
+    """Every thread of the application's engine replicas and of the processes under them (vLLM's
+    engine core and workers) at `nice`; how many threads changed. Raising priority needs root."""
+    import psutil
+
+    from deployments.engine.cpu_priority import set_process_niceness
+
+    changed = 0
+    for process in psutil.process_iter(["cmdline"]):
+        if (process.info["cmdline"] or [""])[0].startswith(f"ray::ServeReplica:{app}:engine"):
+            for member in [process, *process.children(recursive=True)]:
+                changed += set_process_niceness(nice, tasks_dir=f"/proc/{member.pid}/task")
+    return changed
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -174,6 +194,7 @@ def main() -> int:
     parser.add_argument("--factor", type=float, default=3.0, help="offered rate / sustainable rate")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the admitted requests' TTFT SLO")
     parser.add_argument("--drain-s", type=float, default=120.0, help="after the last arrival; later = hung")
+    parser.add_argument("--engine-nice", default="", help="e.g. 15,19: alternate rounds between these niceness values")
     parser.add_argument("--out", default=str(RESULTS / "overload.json"))
     args = parser.parse_args()
     args.model = "tiny"
@@ -192,11 +213,16 @@ def main() -> int:
         url = deploy(manifest, progress=_log).url
         model = manifest.model.name
         asyncio.run(capacity(url, model, argparse.Namespace(**{**vars(args), "capacity_s": 3.0})))  # warm-up
+        nice_values = [int(v) for v in args.engine_nice.split(",") if v]
         for index in range(args.rounds):
+            nice = nice_values[index % len(nice_values)] if nice_values else None
+            if nice is not None:
+                changed = set_engine_niceness(manifest.name, nice)
+                _log(f"round {index + 1}: engines at niceness {nice} ({changed} threads set)")
             cap = asyncio.run(capacity(url, model, args))
             over = asyncio.run(overload(url, model, args.factor * cap["rate_per_s"], args.ttft_slo_ms / 1e3, args,
                                         seed=index))
-            rounds.append({**cap, **over})
+            rounds.append({"engine_nice": nice, **cap, **over})
             _log(f"round {index + 1}: R {cap['rate_per_s']:.1f}/s, offered {over['offered_per_s']:.1f}/s, "
                  f"{over['admitted']} admitted, {over['rejected']} 429 (p99 {over['reject_p99_ms'] or 0:.0f} ms), "
                  f"{over['failed']} failed, {over['hung']} hung")
@@ -213,21 +239,24 @@ def main() -> int:
           f"queued (admission bound {bound}); {args.prompt_tokens}-token prompts, {args.output_tokens} output "
           f"tokens; {args.factor:g}x R for {args.overload_s:g} s per round; TTFT SLO {args.ttft_slo_ms:g} ms; "
           f"median of {args.rounds} rounds\n")
-    print("| metric | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " | median |\n|---|"
-          + "---:|" * (len(rounds) + 1))
+    groups = sorted({r["engine_nice"] for r in rounds}, key=lambda n: -1 if n is None else n)
+    medians = [f"median (nice {n})" if n is not None else "median" for n in groups]
+    print("| metric | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " | " + " | ".join(medians)
+          + " |\n|---|" + "---:|" * (len(rounds) + len(groups)))
+    if groups != [None]:
+        print("| engines' niceness | " + " | ".join(str(r["engine_nice"]) for r in rounds) + " |" * (len(groups) + 1))
     for label, key, fmt in ROWS:
-        if isinstance(key, tuple):
-            cells = [" / ".join(fmt.format(r[k]) for k in key) for r in rounds]
-            print(f"| {label} | " + " | ".join(cells) + " | |")
-            continue
-        if key is None:
-            cells = [f"{r['requests']} / {r['admitted']} / {r['rejected']} / {r['failed']} / {r['hung']}" for r in rounds]
-            print(f"| {label} | " + " | ".join(cells) + " | |")
+        if isinstance(key, tuple) or key is None:
+            cells = [" / ".join(fmt.format(r[k]) for k in key) if key else
+                     f"{r['requests']} / {r['admitted']} / {r['rejected']} / {r['failed']} / {r['hung']}" for r in rounds]
+            print(f"| {label} | " + " | ".join(cells) + " |" * (len(groups) + 1))
             continue
         values = [r[key] for r in rounds]
-        known = [v for v in values if v is not None]
-        median = statistics.median(known) if known else None
-        print(f"| {label} | " + " | ".join("-" if v is None else fmt.format(v) for v in values + [median]) + " |")
+        cells = ["-" if v is None else fmt.format(v) for v in values]
+        for group in groups:
+            known = [r[key] for r in rounds if r["engine_nice"] == group and r[key] is not None]
+            cells.append(fmt.format(statistics.median(known)) if known else "-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
     out = Path(args.out)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "cpus": os.cpu_count(), "args": vars(args), "admission_bound": bound,

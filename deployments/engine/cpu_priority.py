@@ -3,11 +3,11 @@
 There the engines' forward passes, the HTTP front (HAProxy or Serve's proxy) and the OpenAI
 ingress share the same cores. Ray starts every worker at niceness 15, so all of them compete
 as equals, and whenever the cores are busy a 429, a routing decision or a streamed token waits
-behind a forward pass. Measured at three times the sustainable rate (BENCHMARKS.md 9e): the
-429s' p99 was 101 ms (64-314 ms per round) with the engines at Ray's niceness and 42 ms
-(29-49 ms) with them at 19, while the engines kept 99-100% of admitted requests within their
-TTFT SLO. Niceness only matters when the cores are contended: an idle request path leaves
-the engines every cycle.
+behind a forward pass. Measured at three times the sustainable rate, side by side on the same
+engines (BENCHMARKS.md 9e): the 429s' p99 was 105 ms with the engines at Ray's niceness and
+32 ms with them at 19, with the same admitted rate (18.0 vs 17.9/s) and TTFT SLO attainment
+(99%). Niceness only matters when the cores are contended: an idle request path leaves the
+engines every cycle.
 
 So an engine on the CPU platform runs at niceness 19 unless the manifest's `engine.nice` says
 otherwise; GPU engines keep Ray's (their CPU work is the loop that keeps the GPU fed).
