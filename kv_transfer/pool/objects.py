@@ -28,7 +28,7 @@ MAGIC = b"MSKV"
 # object left in a pool is refused like any foreign object and its block recomputed.
 VERSION = 2
 HEADER_BYTES = 64
-_FORMAT = "<4sHH16s16sIQQ4x"  # 4+2+2+16+16+4+8+8+4 = 64, no padding with "<"
+_FORMAT = "<4sHH16s16sIQQ4x"  # 4+2+2+16+16+4+8+8 + 4 reserved zero bytes = 64 ("<": no alignment)
 assert struct.calcsize(_FORMAT) == HEADER_BYTES
 
 
