@@ -112,6 +112,10 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
         return None
     settings = manifest.kv_transfer.model_dump()
     settings["grant_secret"] = grant_secret
+    # Only a prefill pool's engines lend their blocks; every other engine's transfer port
+    # answers no read (decode and colocated engines hold whole conversations).
+    settings["lends_kv"] = manifest.disaggregated and role == PoolRole.prefill
+    settings["max_connections"] = transfer_connections(manifest)
     if pool_address is not None:
         spec = manifest.kv_pool
         settings["pool"] = {
@@ -122,6 +126,29 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
             "failure_policy": manifest.kv_transfer.failure_policy, "retry_after_s": spec.retry_after_s,
         }
     return settings
+
+
+# Per pulling engine worker: its pull threads' pooled connections, its engine core's releaser
+# and one to spare; plus the serving engine's own stats export and its replica's releases.
+CONNECTIONS_PER_PULLER = 2
+CONNECTIONS_SPARE = 16
+MIN_CONNECTIONS = 64
+
+
+def transfer_connections(manifest: Manifest) -> int:
+    """How many connections an engine's KV transfer server serves at once: sized from the
+    topology (every decode worker at full scale may pull from one prefill engine at once),
+    not a constant that a second decode group outgrows."""
+    if not manifest.disaggregated:
+        return MIN_CONNECTIONS
+    decode = manifest.pool_with_role(PoolRole.decode)
+    workers = decode.autoscaling.max_replicas * max(
+        decode.expert_parallel.size if decode.expert_parallel is not None else 1,
+        decode.engine.tensor_parallel_size)
+    from kv_transfer.settings import ConnectorSettings
+
+    per_worker = ConnectorSettings.max_concurrent_pulls + CONNECTIONS_PER_PULLER
+    return max(MIN_CONNECTIONS, workers * per_worker + CONNECTIONS_SPARE)
 
 
 def _engine_deployment(manifest: Manifest, pool: PoolSpec, model: dict, model_path: str,
@@ -224,18 +251,20 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
         from deployments.frontend.api_keys import load_api_keys
 
         load_api_keys(manifest.http.auth.api_keys_env, manifest.http.auth.api_keys_file)
+    # One secret per application build, shared by its engines only, whenever they run a KV
+    # connector (P/D, or any pool with a KV pool): prefill signs the lease grants that decode
+    # checks before it pulls and presents to read KV (kv_transfer/grants.py); an engine with
+    # no secret lends and pulls nothing. A redeploy makes a new one; pulls between old and new
+    # replicas during the rollout fail into the failure policy.
+    grant_secret = secrets.token_hex(32)
     if manifest.disaggregated:
-        # One secret per application build, shared by its engines only: prefill signs the lease
-        # grants that decode presents to read KV (kv_transfer/grants.py). A redeploy makes a new
-        # one; pulls between old and new replicas during the rollout fail into the failure policy.
-        grant_secret = secrets.token_hex(32)
         engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.decode), model, model_path,
                                     pool_address, grant_secret)
         prefill = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.prefill), model, model_path,
                                      pool_address, grant_secret)
     else:
         engine = _engine_deployment(manifest, manifest.pool_with_role(PoolRole.colocated), model, model_path,
-                                    pool_address)
+                                    pool_address, grant_secret)
         prefill = None
 
     serving = manifest.pool_with_role(PoolRole.decode if manifest.disaggregated else PoolRole.colocated)

@@ -56,6 +56,7 @@ class DisaggregatedEngineClient:
         self._rule = None if local_hit_fraction is None else \
             DisaggregationRule(min_uncached_tokens=0, local_hit_fraction=local_hit_fraction)
         self._decode_router = decode_router or (lambda: None)
+        self._background: set[asyncio.Future] = set()
 
     async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False,
                      trace: Any = None) -> AsyncIterator[TokenDelta | EngineFailure]:
@@ -101,13 +102,14 @@ class DisaggregatedEngineClient:
                     # Decode loaded the whole prompt; what the request did not compute is what
                     # the prefill did not compute.
                     item = replace(item, cached_tokens=getattr(prefill, "cached_tokens", 0))
-                admitted = True
+                    admitted = True
                 yield item
         finally:
             if not admitted:
-                # Decode never produced anything: it may never have pulled. Releasing twice is
-                # harmless (the prefill side ignores unknown leases), leaking blocks is not.
-                asyncio.ensure_future(self._release(params))
+                # Decode produced no token (it failed, refused the request, or the caller left):
+                # it may never have pulled. Releasing twice is harmless (the prefill side
+                # ignores ended leases), leaking blocks is not.
+                self._spawn(self._release(params))
 
     def _route_decode_first(self, request: EngineRequest) -> tuple[EngineRequest, str | None]:
         """(the request routed to its decode replica, why decode prefills it itself or None)."""
@@ -126,7 +128,14 @@ class DisaggregatedEngineClient:
             return  # no result, no lease (a replica that died took its blocks with it)
         result = prefill_task.result()
         if isinstance(result, PrefillResult):
-            asyncio.ensure_future(self._release(result.transfer_params))
+            self._spawn(self._release(result.transfer_params))
+
+    def _spawn(self, work) -> None:
+        """Run `work` in the background, holding a reference until it ends (the event loop keeps
+        only weak ones, so an unreferenced release could be collected mid-flight)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _release(self, params: TransferParams) -> None:
         try:

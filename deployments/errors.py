@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from deployments.records import EngineFailure, WaitExpired
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,12 +57,22 @@ class GatewayTimeout(APIError):
     wait: str = ""
 
 
+# What a client reads for an engine failure: never the failure's own text, which names
+# exceptions, hosts and replicas (it goes to the ingress's log instead).
+RETRY_MESSAGE = "the engine pool could not serve this request now; retry"
+FAILED_MESSAGE = "the engine pool failed to serve this request"
+
+
 def engine_error(failure: EngineFailure) -> APIError:
-    """What the client gets for an engine failure: 504 for an expired wait, else 503 or 500."""
+    """What the client gets for an engine failure: 400 for vLLM's engine-side validation (as
+    its own server answers), 504 for an expired wait, else 503 (retriable) or 500."""
+    if failure.invalid_request:
+        return bad_request(failure.message, param=failure.param, code="invalid_value")
     if isinstance(failure, WaitExpired):
         return GatewayTimeout(504, failure.message, type="timeout_error", code=f"{failure.wait}_timeout",
                               wait=failure.wait)
-    return server_error(failure.message, retriable=failure.retriable)
+    logger.warning("engine failure answered %s: %s", 503 if failure.retriable else 500, failure.message)
+    return server_error(RETRY_MESSAGE if failure.retriable else FAILED_MESSAGE, retriable=failure.retriable)
 
 
 def outcome_of(error: APIError) -> str:

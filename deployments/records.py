@@ -41,6 +41,7 @@ class EngineRequest:
     # is chosen before the prefill runs, so the choice is made once and carried to the call.
     route_to: str | None = None
     produce_kv: bool = False  # prefill: compute the prompt and keep its KV blocks under a lease
+    cache_salt: str | None = None  # the client's cache_salt: isolates its prefix-cache and pool blocks
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,18 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class EngineFailure:
-    """The engine could not run the request (yielded as a value, not raised across Ray)."""
+    """The engine could not run the request (yielded as a value, not raised across Ray).
+
+    `message` is for logs and operators: it may name exceptions, hosts or replicas, so the
+    ingress never shows it to clients, except for `invalid_request` failures, whose message is
+    vLLM's own validation text about the client's request (as its server answers it)."""
 
     message: str
     retriable: bool = False
+    # The engine refused the request itself (vLLM's engine-side validation: logprobs above
+    # max_logprobs, a logit_bias id outside the vocabulary, ...): a 400, never retried.
+    invalid_request: bool = False
+    param: str | None = None  # with invalid_request: the request field vLLM named, if any
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from kv_transfer.params import CONSUME_KEY, LOAD_TIMING_KEY, PRODUCE_KEY, LoadTiming, TransferParams
+from kv_transfer.params import (CONSUME_KEY, LOAD_TIMING_KEY, PRODUCE_KEY, InvalidTransferParams, LoadTiming,
+                                TransferParams)
 from kv_transfer.pool.records import LookupTally, PoolBlock, PoolStoreJob
 from kv_transfer.settings import ConnectorSettings
 
@@ -67,20 +68,21 @@ class SchedulerSide:
                  release_now: Callable[[TransferParams], None] | None = None, pool: Any = None):
         """`pool`: a PoolScheduler when the engine uses a KV pool."""
         self._settings = settings
-        self._grant_key = settings.grant_key()  # signs every lease this prefill grants (None: off)
+        self._grant_key = settings.grant_key()  # signs the leases it grants, checks those it pulls (None: neither)
         self._block_size = block_size_tokens
         self._plan = StepPlan()
         self._release_now = release_now
         self._pool = pool
         self._load_times: dict[str, LoadTiming] = {}  # reported by the worker, until the request ends
+        self.refused_params_total = 0  # requests whose transfer parameters were refused
 
     # -- admission: local hit, then pool, then (decode) the prefill's lease ---------------------
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         pool_tokens = self._pool.lookup(request, num_computed_tokens) * self._block_size if self._pool else 0
-        params = request.kv_transfer_params
-        if params and params.get(CONSUME_KEY):
-            remote_tokens = min(int(params["remote_num_tokens"]), len(request.prompt_token_ids or ()))
+        transfer = self._pull_params(request)
+        if transfer is not None:
+            remote_tokens = min(transfer.remote_num_tokens, len(request.prompt_token_ids or ()))
             count = max(remote_tokens, num_computed_tokens + pool_tokens) - num_computed_tokens
         else:
             count = pool_tokens
@@ -93,13 +95,12 @@ class SchedulerSide:
         pool_blocks = self._pool.load_blocks(request, first_block, local_ids[:pool_hit]) if pool_hit else ()
         if pool_hit:
             self._pool.loaded(request.request_id, first_block, pool_hit)
-        params = request.kv_transfer_params
-        if not params or not params.get(CONSUME_KEY):
+        transfer = self._pull_params(request)
+        if transfer is None:
             if pool_blocks:
                 self._plan.pulls.append(PullJob(request.request_id, None, (), (), pool_blocks))
             return
-        transfer = TransferParams.from_engine(params)
-        params[CONSUME_KEY] = False  # one pull per request, even if vLLM asks again
+        request.kv_transfer_params[CONSUME_KEY] = False  # one pull per request, even if vLLM asks again
         if not local_ids:
             self._plan.releases.append(transfer)  # everything was a local cache hit
             return
@@ -144,35 +145,68 @@ class SchedulerSide:
             self._load_times.pop(next(iter(self._load_times)))
 
     def _finished_transfer(self, request: Any, block_ids: list[int], normally: bool) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params
-        if not params:
-            return False, None
-        if params.get(CONSUME_KEY):
+        transfer = self._pull_params(request)
+        if transfer is not None:
             # Decode side, aborted before blocks were allocated: the prefill still holds a lease.
             # Not via the step plan: an engine with no other request runs no further step, and
             # the release would wait in the plan until the next request arrives (seen in CI).
-            params[CONSUME_KEY] = False
-            transfer = TransferParams.from_engine(params)
+            request.kv_transfer_params[CONSUME_KEY] = False
             if self._release_now is not None:
                 self._release_now(transfer)
             else:
                 self._plan.releases.append(transfer)
             return False, None
-        if not params.get(PRODUCE_KEY) or not normally or not block_ids:
+        if not self._lends(request) or not normally or not block_ids:
             return False, None
-        lease_s = float(params.get("lease_s", self._settings.lease_s))
+        # The lease length is the engine's own setting, never the request's: a request must
+        # not pin blocks for as long as it likes.
+        lease_s = self._settings.lease_s
         self._plan.grants.append(LeaseGrant(request.request_id, tuple(block_ids), lease_s))
         deadline_s = time.time() + lease_s
-        key = self._grant_key
-        grant = key.payload(request.request_id, int(deadline_s * 1000)).hex() if key else ""
         transfer = TransferParams(
             remote_host=self._settings.host, remote_port=self._settings.port,
             remote_engine_id=self._settings.engine_id, remote_request_id=request.request_id,
             remote_block_ids=tuple(block_ids), remote_num_tokens=request.num_computed_tokens,
-            block_size_tokens=self._block_size, lease_deadline_unix_s=deadline_s, grant=grant,
+            block_size_tokens=self._block_size, lease_deadline_unix_s=deadline_s,
             lease_remaining_s=lease_s,  # what decode goes by: a duration, valid on any clock
         )
-        return True, transfer.to_engine()
+        grant = self._grant_key.payload(transfer.grant_scope(), int(deadline_s * 1000))
+        return True, replace(transfer, grant=grant.hex()).to_engine()
+
+    # -- what a request's kv_transfer_params may ask -------------------------------------------
+
+    def _lends(self, request: Any) -> bool:
+        """Prefill: whether to keep this finished request's blocks for a decode to pull. Only
+        an engine that lends KV (and can sign grants) does, whatever a request asks."""
+        params = request.kv_transfer_params
+        return (self._settings.lends_kv and self._grant_key is not None and isinstance(params, dict)
+                and params.get(PRODUCE_KEY) is True)
+
+    def _pull_params(self, request: Any) -> TransferParams | None:
+        """Decode: the prefill's lease to pull this request's KV from, or None. Parameters that
+        do not parse, or whose grant no engine of this application signed, are refused here,
+        on vLLM's scheduler thread, without raising (an exception here kills the engine core)
+        and without touching the network: the request is then computed on this engine."""
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or params.get(CONSUME_KEY) is not True:
+            return None
+        refused = None
+        try:
+            transfer = TransferParams.from_engine(params)
+        except InvalidTransferParams as exc:
+            refused = str(exc)
+        else:
+            if self._grant_key is None:
+                refused = "this engine has no grant secret, so it pulls no KV"
+            else:
+                refused = self._grant_key.check(transfer.grant_scope(), transfer.grant_bytes(), now_ms=None)
+        if refused is None:
+            return transfer
+        params[CONSUME_KEY] = False  # decided once per request
+        self.refused_params_total += 1
+        logger.warning("kv transfer: request %s carries transfer parameters this engine refuses (%s); "
+                       "computing its prompt here", request.request_id, refused)
+        return None
 
     # -- every step ---------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ ingress -> decode replica) are not timed; `TRANSIT_ALLOWANCE_S` is taken off for
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -54,10 +55,25 @@ class TransferParams:
         return data
 
     @classmethod
-    def from_engine(cls, params: dict[str, Any]) -> "TransferParams":
-        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
-        fields["remote_block_ids"] = tuple(int(b) for b in params["remote_block_ids"])
-        return cls(**fields)
+    def from_engine(cls, params: Any) -> "TransferParams":
+        """The record in an engine's kv_transfer_params dict, every field checked for type and
+        range (InvalidTransferParams names the first one that is not). The connector parses
+        with this on vLLM's scheduler thread, where an exception would kill the engine core."""
+        if not isinstance(params, dict):
+            raise InvalidTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        fields = {name: check(params.get(name, _MISSING), name) for name, check in _FIELD_CHECKS.items()}
+        record = cls(**{k: v for k, v in fields.items() if v is not _MISSING})
+        if record.remote_num_tokens > len(record.remote_block_ids) * record.block_size_tokens:
+            raise InvalidTransferParams(f"remote_num_tokens {record.remote_num_tokens} is more than "
+                                        f"{len(record.remote_block_ids)} blocks hold")
+        return record
+
+    def grant_scope(self):
+        """What the grant must have been signed over (kv_transfer.grants.GrantScope)."""
+        from kv_transfer.grants import GrantScope
+
+        return GrantScope(self.remote_engine_id, self.remote_host, self.remote_port, self.remote_request_id,
+                          self.remote_block_ids)
 
     def received(self, now_s: float) -> "TransferParams":
         """Decode node, on receipt: the lease's deadline on this node's monotonic clock, as
@@ -76,6 +92,98 @@ class TransferParams:
         if self.lease_deadline_local_s is not None:
             return now_s + window_s > self.lease_deadline_local_s
         return now_unix_s + window_s > self.lease_deadline_unix_s
+
+
+class InvalidTransferParams(ValueError):
+    """kv_transfer_params that no engine of ours made: a field missing, of the wrong type or
+    out of range."""
+
+
+_MISSING = object()
+MAX_ID_CHARS = 512
+MAX_BLOCKS = 1 << 22  # far above any engine's block count; bounds the work of one record
+
+
+def _required(check):
+    def checked(value: Any, name: str) -> Any:
+        if value is _MISSING:
+            raise InvalidTransferParams(f"kv_transfer_params.{name} is missing")
+        return check(value, name)
+    return checked
+
+
+def _optional(check, default: Any = _MISSING):
+    def checked(value: Any, name: str) -> Any:
+        if value is _MISSING:
+            return default
+        return None if value is None and default is None else check(value, name)
+    return checked
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise InvalidTransferParams(f"kv_transfer_params.{name} must be a non-empty string of at most "
+                                    f"{MAX_ID_CHARS} characters")
+    return value
+
+
+def _int_in(low: int, high: int):
+    def check(value: Any, name: str) -> int:
+        # bool is an int in Python; JSON's true is not a port or a count.
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidTransferParams(f"kv_transfer_params.{name} must be an integer in [{low}, {high}]")
+        return value
+    return check
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidTransferParams(f"kv_transfer_params.{name} must be a finite number")
+    return float(value)
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidTransferParams(f"kv_transfer_params.{name} must be true or false")
+    return value
+
+
+def _block_ids(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_BLOCKS:
+        raise InvalidTransferParams(f"kv_transfer_params.{name} must be a list of at most {MAX_BLOCKS} block ids")
+    block = _int_in(0, 2**31 - 1)
+    ids = tuple(block(b, name) for b in value)
+    if len(set(ids)) != len(ids):
+        raise InvalidTransferParams(f"kv_transfer_params.{name} names a block more than once")
+    return ids
+
+
+def _grant(value: Any, name: str) -> str:
+    from kv_transfer.grants import PAYLOAD_BYTES
+
+    if not isinstance(value, str) or len(value) not in (0, 2 * PAYLOAD_BYTES):
+        raise InvalidTransferParams(f"kv_transfer_params.{name} must be a {2 * PAYLOAD_BYTES}-digit hex grant")
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        raise InvalidTransferParams(f"kv_transfer_params.{name} must be hex") from None
+    return value
+
+
+_FIELD_CHECKS = {
+    "remote_host": _required(_text),
+    "remote_port": _required(_int_in(1, 65535)),
+    "remote_engine_id": _required(_text),
+    "remote_request_id": _required(_text),
+    "remote_block_ids": _required(_block_ids),
+    "remote_num_tokens": _required(_int_in(0, 2**40)),
+    "block_size_tokens": _required(_int_in(1, 1 << 16)),
+    "lease_deadline_unix_s": _required(_finite),
+    "inject_failure": _optional(_flag),
+    "grant": _optional(_grant),
+    "lease_remaining_s": _optional(_finite, default=None),
+    "lease_deadline_local_s": _optional(_finite, default=None),
+}
 
 
 @dataclass(frozen=True)

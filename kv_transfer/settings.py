@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -17,18 +17,33 @@ class ConnectorSettings:
     failure_policy: str = "recompute"  # recompute | fail (mirrors vLLM's kv_load_failure_policy)
     max_concurrent_pulls: int = 4
     pool: dict[str, Any] | None = None  # kv_transfer.pool.store.PoolSettings as a dict; None: no pool
-    # Hex secret shared by the application's engines: prefill signs its lease grants with it and
-    # serves reads only with a valid grant (kv_transfer.grants). Empty: grants are not checked.
-    grant_secret: str = ""
+    # Hex secret shared by the application's engines: prefill signs its lease grants with it,
+    # serves reads only for a grant that verifies, and decode pulls only for parameters whose
+    # grant verifies (kv_transfer.grants). Empty: this engine neither lends nor pulls KV.
+    grant_secret: str = field(default="", repr=False)
+    # Whether this engine lends its KV blocks to others (a prefill pool's engines): only those
+    # keep blocks under leases and answer reads; the others' transfer port answers releases
+    # and stats only.
+    lends_kv: bool = False
+    # Connections the transfer server serves at once, sized by the builder from the topology
+    # (every decode rank's pull pool plus releasers); past it idle ones are closed first.
+    max_connections: int = 256
 
     def to_extra_config(self) -> dict[str, Any]:
         return asdict(self)
 
     def grant_key(self):
-        """The GrantKey of `grant_secret`, or None when grants are off."""
+        """The GrantKey of `grant_secret`, or None without one (no KV is then lent or pulled)."""
         from kv_transfer.grants import GrantKey
 
         return GrantKey(self.grant_secret) if self.grant_secret else None
+
+    def engine_grants(self):
+        """This engine's check of the grants presented to its transfer server (None: no secret)."""
+        from kv_transfer.grants import EngineGrants
+
+        key = self.grant_key()
+        return EngineGrants(key, self.engine_id, self.host, self.port) if key is not None else None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":

@@ -39,6 +39,8 @@ class EngineServerMetrics:
         mirror.update(m.KV_FALLBACKS, kv.get("fallbacks_total", 0), pool=pool)
         mirror.update(m.KV_LEASES_EXPIRED, kv.get("leases_expired_total", 0), pool=pool)
         exporter.set(m.KV_LEASES_OUTSTANDING, kv.get("leases_outstanding", 0), pool=pool, rank=self._rank)
+        for kind in ("refused_request", "refused_connection", "evicted_connection", "accept_error"):
+            mirror.update(m.KV_SERVER_REFUSALS, kv.get(f"server_{kind}s_total", 0), pool=pool, kind=kind)
         if "pool_up" in kv:
             self._export_pool(kv)
 

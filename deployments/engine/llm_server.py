@@ -95,10 +95,15 @@ class LLMServer:
                     break
                 yield delta
         except Exception as exc:  # engine errors become values so the ingress can answer cleanly
-            logger.exception("request %s failed in the engine", request.request_id)
             self._stats.failed_total += 1
             finished = True
-            yield EngineFailure(message=f"engine error: {type(exc).__name__}: {exc}", retriable=True)
+            refusal = invalid_request(exc)
+            if refusal is not None:  # vLLM's own validation of the request: the client's to fix
+                logger.info("request %s refused by the engine: %s", request.request_id, exc)
+                yield refusal
+            else:
+                logger.exception("request %s failed in the engine", request.request_id)
+                yield EngineFailure(message=f"engine error: {type(exc).__name__}: {exc}", retriable=True)
         finally:
             self._in_flight.discard(request.request_id)
             if finished:
@@ -138,8 +143,10 @@ class LLMServer:
         from kv_transfer.params import handed_over, is_transfer
 
         started = time.monotonic()
+        # The same salt as decode's request: the blocks hash (and are cached and pooled) alike.
         prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
-                                        SamplingSpec(max_tokens=1, temperature=0.0), produce_kv=True)
+                                        SamplingSpec(max_tokens=1, temperature=0.0), produce_kv=True,
+                                        cache_salt=request.cache_salt)
         final = None
         cached_tokens = 0
         limit_s = self._timeouts.prefill_timeout_s
@@ -216,10 +223,16 @@ class LLMServer:
 
     async def _export_periodically(self, period_s: float = 5.0) -> None:
         while True:
-            try:
-                kv = {}
-                if self._kv_client is not None:
+            kv = {}
+            if self._kv_client is not None:
+                # The connector's counters come over its transfer port; when that port cannot
+                # answer (starting, or saturated), the engine's own load is exported all the
+                # same: the autoscaler and alerts must not lose a replica's queue with it.
+                try:
                     kv = await asyncio.to_thread(self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
+                except Exception as exc:
+                    logger.debug("kv transfer stats unavailable this period: %s", exc)
+            try:
                 self._metrics.export(len(self._in_flight), kv, getattr(self._engine, "scheduler", None))
             except Exception as exc:  # the engine is starting or stopping: try again next period
                 logger.debug("metrics export skipped: %s", exc)
@@ -273,6 +286,24 @@ class LLMServer:
         self.shutdown_engine()
 
 
+def invalid_request(exc: BaseException) -> EngineFailure | None:
+    """The failure to answer for an exception vLLM raised while taking a request in, when it is
+    vLLM's validation of the request (its own server answers those 400), else None.
+
+    vLLM checks some parameters only when the engine takes the request (logprobs above the
+    engine's max_logprobs, logit_bias or allowed_token_ids outside the vocabulary, a prompt
+    longer than the model's context): it raises a VLLMClientError before the request reaches
+    the engine core. Other exceptions (the engine died, a bug) stay retriable."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an engine without it (test fakes): nothing is a validation error
+        return None
+    if isinstance(exc, VLLMClientError):
+        return EngineFailure(str(exc), retriable=False, invalid_request=True,
+                             param=getattr(exc, "parameter", None))
+    return None
+
+
 def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
     """The manifest's kv_transfer section plus this replica's serving address (and, with a KV
     pool, the pool's settings with the address this engine's segment is reached at)."""
@@ -280,7 +311,9 @@ def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
     port = reserve_port(host)  # the engine's worker binds it later (deployments/ports.py)
     settings = {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
                 "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
-                "failure_policy": kv_transfer["failure_policy"], "grant_secret": kv_transfer.get("grant_secret", "")}
+                "failure_policy": kv_transfer["failure_policy"], "grant_secret": kv_transfer.get("grant_secret", ""),
+                "lends_kv": bool(kv_transfer.get("lends_kv", False)),
+                "max_connections": int(kv_transfer.get("max_connections", 256))}
     if kv_transfer.get("pool"):
         settings["pool"] = {**kv_transfer["pool"], "local_hostname": host}
     return settings

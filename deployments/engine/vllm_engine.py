@@ -94,8 +94,11 @@ def to_sampling_params(spec: Any, kv_transfer_params: dict | None = None):
     if isinstance(spec, SamplingParams):
         params = spec.clone()
         params.output_kind = RequestOutputKind.DELTA
-        if kv_transfer_params:
-            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+        # vLLM's Request reads its kv_transfer_params from extra_args, where its request models
+        # copy a client's `kv_transfer_params` and `vllm_xargs`. The ingress refuses both, and
+        # here, at the last step before the engine, extra_args are ours alone: our transfer
+        # parameters or nothing, whatever the params arrived with.
+        params.extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         return params
     return SamplingParams(
         max_tokens=spec.max_tokens,
@@ -202,8 +205,10 @@ class VLLMEngine:
         prompt_tokens = len(request.prompt_token_ids)
         completion_tokens = 0
         params = to_sampling_params(request.sampling, engine_transfer_params(request))
-        stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params,
-                                    request.request_id)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        stream = self._llm.generate(prompt, params, request.request_id)
         first = True
         async for output in stream:
             completion = output.outputs[0]

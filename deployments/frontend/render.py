@@ -38,6 +38,9 @@ class Child:
     prompt_index: int
     token_ids: list[int]
     sampling: Any  # vllm.SamplingParams with n == 1
+    # The request's cache_salt: vLLM mixes it into the prompt's block hashes, so requests with
+    # different salts (tenants) never share prefix-cache or KV-pool blocks.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -62,12 +65,14 @@ class Rendered:
 class VLLMFrontEnd:
     """Render and derender with vLLM's front end, built from the checkpoint (no weights loaded)."""
 
-    def __init__(self, render: Any, derenderer: Any, model_config: Any, model_name: str):
+    def __init__(self, render: Any, derenderer: Any, model_config: Any, model_name: str,
+                 structured_outputs: Any = None):
         self._render = render
         self._derenderer = derenderer
         self.model_config = model_config
         self.model_name = model_name
         self.tokenizer = derenderer.renderer.get_tokenizer()
+        self._structured_outputs = structured_outputs  # vLLM's StructuredOutputsConfig, as the engines have it
 
     @classmethod
     def from_model(cls, model: dict, model_path: str, frontend: dict | None = None) -> "VLLMFrontEnd":
@@ -102,7 +107,8 @@ class VLLMFrontEnd:
         online.warmup()
         registry = OpenAIModelRegistry(model_config=model_config,
                                        base_model_paths=[BaseModelPath(name=model["name"], model_path=model_path)])
-        return cls(ServingRender(registry, online), OnlineDerenderer(**common), model_config, model["name"])
+        return cls(ServingRender(registry, online), OnlineDerenderer(**common), model_config, model["name"],
+                   config.structured_outputs_config)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -112,8 +118,10 @@ class VLLMFrontEnd:
         from vllm.exceptions import VLLMClientError
 
         model_cls = ChatCompletionRequest if chat else CompletionRequest
+        _reject_internal_fields(body)
         _reject_unknown_fields(model_cls, body)
         request = _validate(model_cls, body)
+        _reject_unserved_options(request)
         try:
             if chat:
                 result = await self._render.render_chat_request(request)
@@ -131,6 +139,8 @@ class VLLMFrontEnd:
             if outside is not None:
                 raise bad_request(f"prompt token id {outside} is outside the vocabulary [0, {vocab})",
                                   param="prompt", code="invalid_value")
+        for one in generated:
+            self._verify_sampling(one.sampling_params)
         n = request.n or 1
         if n * len(generated) > MAX_SEQUENCES_PER_REQUEST:
             raise bad_request(f"n ({n}) x prompts ({len(generated)}) asks for {n * len(generated)} sequences; "
@@ -143,7 +153,8 @@ class VLLMFrontEnd:
                 params.n = 1
                 if params.seed is not None:
                     params.seed += sample
-                children.append(Child(prompt_index * n + sample, prompt_index, list(one.token_ids), params))
+                children.append(Child(prompt_index * n + sample, prompt_index, list(one.token_ids), params,
+                                      cache_salt=getattr(one, "cache_salt", None)))
         request_id = generated[0].request_id.rsplit("-", 1)[0] if not chat and len(generated) > 1 \
             else generated[0].request_id
         options = request.stream_options
@@ -152,6 +163,19 @@ class VLLMFrontEnd:
                         stream=bool(request.stream), include_usage=bool(request.stream and options
                                                                         and options.include_usage),
                         parsed=chat and self._parses(request))
+
+    def _verify_sampling(self, params: Any) -> None:
+        """vLLM's engine-side checks of the sampling parameters (logprobs against max_logprobs,
+        logit_bias and allowed_token_ids against the vocabulary, stop token ids, structured
+        output settings), run here as the engine would: a request the engine would refuse is
+        a 400 before any engine work, not a failure of the engine pool. The engine still runs
+        them too (its answer, should the two differ, is also a 400: llm_server.invalid_request)."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            params.verify(self.model_config, None, self._structured_outputs, self.tokenizer)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise _validation_error(exc) from None
 
     def _parses(self, request: Any) -> bool:
         """Whether derender's parsers shape this chat response (as vLLM's server decides): a
@@ -197,6 +221,30 @@ class VLLMFrontEnd:
 
     def stream_state(self, rendered: Rendered, child: Child) -> "ChoiceStream":
         return ChoiceStream(self._derenderer, rendered, child)
+
+
+# Fields of vLLM's request models that steer the engines' internals: kv_transfer_params names
+# KV blocks to pull and leases to keep, vllm_xargs lands in the engine's extra_args (where the
+# KV connector reads its parameters). Only our own servers set them; from a client they are a
+# 400 naming the field (vLLM's own server accepts both: it trusts its clients with them).
+INTERNAL_FIELDS = ("kv_transfer_params", "vllm_xargs")
+
+
+def _reject_internal_fields(body: dict) -> None:
+    for name in INTERNAL_FIELDS:
+        if name in body:
+            raise bad_request(f"field '{name}' is internal to the serving system and may not be set by clients",
+                              param=name, code="unsupported_field")
+
+
+def _reject_unserved_options(request: Any) -> None:
+    """Options vLLM accepts that our engine path cannot honour yet: refused by name rather than
+    silently dropped (an answer without the prompt's text or logprobs would look correct)."""
+    if getattr(request, "echo", False):
+        raise bad_request("'echo' is not supported by this endpoint", param="echo", code="unsupported_field")
+    if getattr(request, "prompt_logprobs", None) is not None:
+        raise bad_request("'prompt_logprobs' is not supported by this endpoint", param="prompt_logprobs",
+                          code="unsupported_field")
 
 
 def _reject_unknown_fields(model_cls: type, body: dict) -> None:

@@ -79,8 +79,10 @@ class TransferServer(abc.ABC):
     def __init__(self, host: str, port: int, source: PageSource,
                  on_release: Callable[[str], None], on_stats: Callable[[], dict],
                  *, leases: LeaseLookup | None = None, grant_key: Any = None):
-        """`grant_key`: a kv_transfer.grants.GrantKey; with it, READ, DESCRIBE and RELEASE are
-        answered only for a grant that verifies (reads also only before its deadline)."""
+        """`grant_key`: this engine's kv_transfer.grants.EngineGrants. READ, DESCRIBE and
+        RELEASE are answered only for a grant of this engine that verifies (reads also only
+        before its deadline and only for a known lease); without one (an engine that lends no
+        KV) they are refused, and the server answers STATS only."""
         self.grant_key = grant_key
         self.host = host
         self.port = port

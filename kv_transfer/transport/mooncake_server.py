@@ -24,8 +24,10 @@ class MooncakeTransferServer(TcpTransferServer):
     """`host` must be an address clients reach this machine at: it is also the engine's name
     in its handshake, and clients read from the engine at `host:rpc_port`."""
 
-    def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None):
-        super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key)
+    def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None,
+                 max_connections: int = 256):
+        super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key,
+                         max_connections=max_connections)
         self._engine = None
         self._memory: MemoryRegistry | None = None
         self.rpc_port = 0

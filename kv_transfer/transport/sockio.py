@@ -12,7 +12,7 @@ import socket
 import time
 
 from kv_transfer import wire
-from kv_transfer.errors import TransferFailed, TransferTimeout
+from kv_transfer.errors import TransferFailed, TransferTimeout, WireError
 
 # sendmsg/recvmsg_into take at most IOV_MAX buffers per call (1024 on Linux).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -126,11 +126,12 @@ def tune_socket(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def read_message_start(sock: socket.socket, deadline: Deadline, max_payload_bytes: int
-                       ) -> tuple[wire.Header, str, tuple[int, ...]] | None:
+def read_message_start(sock: socket.socket, deadline: Deadline, max_payload_bytes: int,
+                       max_block_count: int | None = None) -> tuple[wire.Header, str, tuple[int, ...]] | None:
     """Header and body of the next message; None if the peer closed cleanly before it.
 
-    The header is validated before the body is read, so no length from the peer is trusted.
+    The header is validated before the body is read, so no length from the peer is trusted;
+    `max_block_count` bounds the block ids one message may name.
     """
     buf = bytearray(wire.HEADER_SIZE)
     deadline.arm(sock)
@@ -140,5 +141,7 @@ def read_message_start(sock: socket.socket, deadline: Deadline, max_payload_byte
     if n < wire.HEADER_SIZE:
         buf[n:] = recv_exact(sock, wire.HEADER_SIZE - n, deadline)
     header = wire.decode_header(buf, max_payload_bytes)
+    if max_block_count is not None and header.block_count > max_block_count:
+        raise WireError(f"message names {header.block_count} blocks; this engine has {max_block_count}")
     request_id, block_ids = wire.decode_body(header, recv_exact(sock, header.body_len_bytes, deadline))
     return header, request_id, block_ids

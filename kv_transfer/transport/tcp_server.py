@@ -22,25 +22,38 @@ log = logging.getLogger(__name__)
 class TcpTransferServer(TransferServer):
     """`io_timeout_s` bounds each message once started (a stalled client is dropped);
     `idle_timeout_s` closes a connection no request arrives on (the client's pool reconnects);
-    at most `max_connections` are served at once (one thread each): past it a new connection
-    gets an error and is closed, so a flood of sockets cannot exhaust threads or descriptors."""
+    at most `max_connections` are served at once (one thread each), so a flood of sockets cannot
+    exhaust threads or descriptors. At the cap, the connection idle longest is closed to make
+    room (a client's pool reconnects on its next request); only when every connection is busy
+    mid-message is a new one refused. So idle sockets, an attacker's included, never lock out
+    real pulls and releases."""
 
     io_timeout_s = 30.0
-    idle_timeout_s = 300.0
-    max_connections = 256
+    idle_timeout_s = 60.0
     accept_retry_s = 0.5  # after an accept() error such as running out of descriptors
 
-    def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None):
+    def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None,
+                 max_connections: int = 256):
         super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key)
+        self.max_connections = max_connections
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._idle_since: dict[socket.socket, float] = {}  # connections waiting for their next request
         self._threads: list[threading.Thread] = []
         self._acceptor: threading.Thread | None = None
         self.accept_errors = 0
-        self.refused_connections = 0
+        self.refused_connections = 0  # every connection busy at the cap
+        self.evicted_connections = 0  # idle ones closed at the cap to make room
         self.refused_requests = 0  # reads and releases without a valid grant
+
+    def counters(self) -> dict[str, int]:
+        """The server's own counters, for the engine's stats export."""
+        return {"server_refused_connections_total": self.refused_connections,
+                "server_evicted_connections_total": self.evicted_connections,
+                "server_refused_requests_total": self.refused_requests,
+                "server_accept_errors_total": self.accept_errors}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -92,10 +105,7 @@ class TcpTransferServer(TransferServer):
                 log.warning("KV transfer server %s:%s: accept failed (%s); retrying", self.host, self.port, exc)
                 self._stopping.wait(self.accept_retry_s)
                 continue
-            with self._lock:
-                self._threads = [t for t in self._threads if t.is_alive()]
-                full = len(self._threads) >= self.max_connections
-            if full:
+            if not self._make_room():
                 self.refused_connections += 1
                 self._refuse(conn)
                 continue
@@ -106,6 +116,24 @@ class TcpTransferServer(TransferServer):
                 self._conns.add(conn)
                 self._threads.append(thread)
             thread.start()
+
+    def _make_room(self) -> bool:
+        """Below the cap, or at it with an idle connection closed to make room."""
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._threads) < self.max_connections:
+                return True
+            if not self._idle_since:
+                return False
+            oldest = min(self._idle_since, key=self._idle_since.__getitem__)
+            del self._idle_since[oldest]
+        self.evicted_connections += 1
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread sees EOF in its idle wait and ends
+        except OSError:
+            pass
+        # Its thread is ending; count its slot as free now rather than wait for the join.
+        return True
 
     def _refuse(self, conn: socket.socket) -> None:
         try:
@@ -122,15 +150,26 @@ class TcpTransferServer(TransferServer):
                 # A pooled connection may idle between requests: wait up to idle_timeout_s for the
                 # next one to begin, then give the whole exchange io_timeout_s.
                 conn.settimeout(self.idle_timeout_s)
+                with self._lock:
+                    self._idle_since[conn] = time.monotonic()
                 try:
                     if not conn.recv(1, socket.MSG_PEEK):
                         return
                 except TimeoutError:
                     return  # idle too long: the client's pool reconnects on its next request
+                finally:
+                    with self._lock:
+                        evicted = self._idle_since.pop(conn, None) is None
+                if evicted:
+                    return  # closed at the cap while idle
                 deadline = Deadline(self.io_timeout_s)
                 try:
                     # Requests carry at most a lease grant; a longer payload is a framing error.
-                    message = read_message_start(conn, deadline, grants.PAYLOAD_BYTES)
+                    # No message names more blocks than this engine has: the ids are decoded
+                    # only after that bound is checked, so no client can make the server decode
+                    # more than one engine's worth of block ids per message.
+                    message = read_message_start(conn, deadline, grants.PAYLOAD_BYTES,
+                                                 getattr(self.source, "num_blocks", None))
                 except WireError as exc:
                     # The stream is out of step with the framing; nothing after this is trustworthy.
                     send_buffers(conn, [wire.encode_error("", f"bad message: {exc}")], deadline)
@@ -146,6 +185,7 @@ class TcpTransferServer(TransferServer):
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._idle_since.pop(conn, None)
             conn.close()
 
     def _dispatch(self, conn, msg_type: MessageType, request_id: str, block_ids: list[int],
@@ -167,7 +207,9 @@ class TcpTransferServer(TransferServer):
                 send_buffers(conn, [prefix, *pages], deadline)
             return True
         if msg_type == MessageType.RELEASE:
-            refused = self._refused(request_id, grant, live=False)  # a late release is harmless
+            # The release names the lease's whole block list, which its grant covers; a late
+            # release is harmless, so an expired grant may still release.
+            refused = self._refused(request_id, block_ids, grant, live=False)
             if refused:
                 self.refused_requests += 1
                 return error(f"release of {request_id!r} refused: {refused}")
@@ -189,30 +231,33 @@ class TcpTransferServer(TransferServer):
         error(f"{msg_type.name} is not a request this server answers")
         return False
 
-    def _refused(self, request_id: str, grant: bytes, *, live: bool = True) -> str | None:
-        """Why this request's grant does not authorize it (None: it does, or grants are off)."""
+    def _refused(self, request_id: str, lease_block_ids, grant: bytes, *, live: bool = True) -> str | None:
+        """Why this grant does not open the lease of `request_id` over `lease_block_ids` on
+        this engine (None: it does). An engine without grants lends nothing."""
         if self.grant_key is None:
-            return None
-        return self.grant_key.check(request_id, grant, int(time.time() * 1000) if live else None)
+            return "this engine lends no KV"
+        return self.grant_key.check(request_id, lease_block_ids, grant, int(time.time() * 1000) if live else None)
 
     def _leased_pages(self, request_id: str, block_ids: list[int], grant: bytes = b""
                       ) -> list[memoryview] | str:
-        """The pages of `block_ids` as flat byte views, or why they may not be served."""
-        refused = self._refused(request_id, grant)
+        """The pages of `block_ids` as flat byte views, or why they may not be served. Served
+        only under a lease this engine knows and a live grant of exactly that lease."""
+        if self.grant_key is None or self.leases is None:
+            self.refused_requests += 1
+            return f"read of {request_id!r} refused: this engine lends no KV"
+        if len(set(block_ids)) != len(block_ids):
+            return f"read of {request_id!r} names a block more than once"
+        lease = self.leases.get(request_id)
+        if lease is None:
+            self.refused_requests += 1
+            return f"request {request_id!r} holds no KV lease here (released, expired or never granted)"
+        refused = self._refused(request_id, lease.block_ids, grant)
         if refused:
             self.refused_requests += 1
             return f"read of {request_id!r} refused: {refused}"
-        if len(set(block_ids)) != len(block_ids):
-            return f"read of {request_id!r} names a block more than once"
-        num_blocks = getattr(self.source, "num_blocks", None)
-        if num_blocks is not None and len(block_ids) > num_blocks:
-            return f"read of {request_id!r} names {len(block_ids)} blocks; this engine has {num_blocks}"
-        if self.leases is not None:
-            lease = self.leases.get(request_id)
-            if lease is None:
-                return f"request {request_id!r} holds no KV lease here (released or expired)"
-            if not lease.covers(block_ids):
-                return f"blocks {block_ids} are not all leased to request {request_id!r}"
+        if not lease.covers(block_ids):
+            self.refused_requests += 1
+            return f"blocks {block_ids} are not all leased to request {request_id!r}"
         try:
             return [byte_view(p) for p in self.source.pages(block_ids)]
         except (KeyError, ValueError, IndexError) as exc:

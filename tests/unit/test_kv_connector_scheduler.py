@@ -15,7 +15,11 @@ from kv_transfer.params import CONSUME_KEY, PRODUCE_KEY, TransferParams, prefill
 from kv_transfer.settings import ConnectorSettings
 
 BLOCK_SIZE = 16
-SETTINGS = ConnectorSettings(host="10.0.0.7", port=47001, engine_id="prefill-engine-0", lease_s=8.0)
+SECRET = "5e" * 32
+# One settings for both roles: an engine of a P/D application that lends KV (prefill) and
+# pulls it (decode); each test drives one role.
+SETTINGS = ConnectorSettings(host="10.0.0.7", port=47001, engine_id="prefill-engine-0", lease_s=8.0,
+                             grant_secret=SECRET, lends_kv=True)
 
 
 @dataclass
@@ -31,16 +35,31 @@ def prefill_request(request_id="p-1", prompt_len=40, params=None) -> FakeRequest
     return FakeRequest(request_id, params, list(range(prompt_len)), num_computed_tokens=prompt_len)
 
 
-def remote_params(request_id="p-1", block_ids=(11, 12, 13), num_tokens=40) -> TransferParams:
-    return TransferParams(
+def remote_params(request_id="p-1", block_ids=(11, 12, 13), num_tokens=40, secret=SECRET) -> TransferParams:
+    """What a prefill engine of this application hands decode: signed with the application's secret."""
+    from dataclasses import replace
+
+    from kv_transfer.grants import GrantKey
+
+    deadline_s = time.time() + 8.0
+    unsigned = TransferParams(
         remote_host="10.0.0.7", remote_port=47001, remote_engine_id="prefill-engine-0",
         remote_request_id=request_id, remote_block_ids=tuple(block_ids), remote_num_tokens=num_tokens,
-        block_size_tokens=BLOCK_SIZE, lease_deadline_unix_s=time.time() + 8.0)
+        block_size_tokens=BLOCK_SIZE, lease_deadline_unix_s=deadline_s)
+    grant = GrantKey(secret).payload(unsigned.grant_scope(), int(deadline_s * 1000))
+    return replace(unsigned, grant=grant.hex())
 
 
 def decode_request(request_id="d-1", prompt_len=40, transfer=None) -> FakeRequest:
+    """A decode request as our engine server makes it: the prefill's signed parameters."""
     transfer = remote_params() if transfer is None else transfer
     return FakeRequest(request_id, transfer.to_engine(), list(range(prompt_len)), num_computed_tokens=0)
+
+
+def replace_settings(**changes) -> ConnectorSettings:
+    from dataclasses import replace
+
+    return replace(SETTINGS, **changes)
 
 
 @pytest.fixture
@@ -78,30 +97,44 @@ def test_prefill_normal_finish_holds_blocks_and_names_them(side):
     assert plan.pulls == [] and plan.releases == []
 
 
-def test_prefill_signs_its_lease_grant_when_the_application_has_a_secret():
+def test_prefill_signs_its_lease_grant_over_engine_request_and_blocks():
     from dataclasses import replace
 
-    from kv_transfer.grants import GrantKey
+    from kv_transfer.grants import GrantKey, GrantScope
 
-    secret = "5e" * 32
-    side = SchedulerSide(replace(SETTINGS, grant_secret=secret), BLOCK_SIZE)
+    side = SchedulerSide(SETTINGS, BLOCK_SIZE)
     _, engine_params = side.finished(prefill_request("p-9", prompt_len=40), [5, 6, 7], normally=True)
     transfer = TransferParams.from_engine(engine_params)
     grant = transfer.grant_bytes()
-    # Signed over the request id and the deadline decode is told, in milliseconds of this clock.
+    # Signed with the deadline decode is told, in milliseconds of this clock.
     assert int.from_bytes(grant[32:], "big") == int(transfer.lease_deadline_unix_s * 1000)
-    assert GrantKey(secret).check("p-9", grant, int(time.time() * 1000)) is None
-    assert GrantKey(secret).check("p-8", grant, int(time.time() * 1000)) is not None
-    unsigned = SchedulerSide(SETTINGS, BLOCK_SIZE).finished(prefill_request("p-9"), [5], normally=True)[1]
-    assert TransferParams.from_engine(unsigned).grant == ""  # grants off: nothing to present
+    key, now_ms = GrantKey(SECRET), int(time.time() * 1000)
+    scope = GrantScope("prefill-engine-0", "10.0.0.7", 47001, "p-9", (5, 6, 7))
+    assert key.check(scope, grant, now_ms) is None
+    # The grant opens this lease only: another request, other blocks, another engine or
+    # another address do not verify.
+    for other in (replace(scope, request_id="p-8"), replace(scope, block_ids=(5, 6, 7, 8)),
+                  replace(scope, block_ids=(5, 6)), replace(scope, engine_id="prefill-engine-1"),
+                  replace(scope, host="10.0.0.8"), replace(scope, port=47002)):
+        assert key.check(other, grant, now_ms) is not None, other
+    assert GrantKey("6f" * 32).check(scope, grant, now_ms) is not None  # another application's key
 
 
-def test_prefill_lease_length_can_come_with_the_request(side):
-    request = prefill_request(params={PRODUCE_KEY: True, "lease_s": 1.5})
+@pytest.mark.parametrize("changes", [{"lends_kv": False}, {"grant_secret": ""}],
+                         ids=["engine-lends-no-kv", "no-secret"])
+def test_only_a_lending_engine_with_a_secret_keeps_blocks_whatever_the_request_asks(changes):
+    side = SchedulerSide(replace_settings(**changes), BLOCK_SIZE)
+    assert side.finished(prefill_request("p-1"), [5, 6], normally=True) == (False, None)
+    assert empty(side.take_plan())
+
+
+@pytest.mark.parametrize("lease_s", [1.5, 3600, 1e308, float("nan"), -1, "x"])
+def test_the_lease_length_is_the_engines_own_never_the_requests(side, lease_s):
+    request = prefill_request(params={PRODUCE_KEY: True, "lease_s": lease_s})
     before_s = time.time()
-    _, engine_params = side.finished(request, [1], normally=True)
-    assert side.take_plan().grants == [LeaseGrant("p-1", (1,), 1.5)]
-    assert TransferParams.from_engine(engine_params).lease_deadline_unix_s < before_s + 8.0
+    _, engine_params = side.finished(request, [1, 2, 3], normally=True)
+    assert side.take_plan().grants == [LeaseGrant("p-1", (1, 2, 3), 8.0)]
+    assert before_s + 8.0 <= TransferParams.from_engine(engine_params).lease_deadline_unix_s <= time.time() + 8.0
 
 
 @pytest.mark.parametrize("params, block_ids, normally", [
@@ -238,4 +271,69 @@ def test_aborted_decode_request_is_released_at_once_not_in_a_step_plan_that_may_
     request = decode_request(transfer=transfer)
     assert side.finished(request, [], normally=False) == (False, None)
     assert released == [transfer]
+    assert empty(side.take_plan())
+
+
+# -- hostile or foreign transfer parameters: refused on the scheduler thread, never raised ------
+
+
+def forged(**changes) -> dict:
+    return {**remote_params().to_engine(), **changes}
+
+
+@pytest.mark.parametrize("params", [
+    pytest.param({CONSUME_KEY: True, "remote_num_tokens": "x"}, id="reported-engine-killer"),
+    pytest.param(forged(remote_num_tokens="x"), id="num-tokens-text"),
+    pytest.param(forged(remote_num_tokens=-5), id="num-tokens-negative"),
+    pytest.param(forged(remote_num_tokens=10**9), id="num-tokens-beyond-the-blocks"),
+    pytest.param(forged(remote_port="47001"), id="port-text"),
+    pytest.param(forged(remote_port=0), id="port-zero"),
+    pytest.param(forged(remote_port=True), id="port-bool"),
+    pytest.param(forged(remote_block_ids="abc"), id="blocks-text"),
+    pytest.param(forged(remote_block_ids=[1, 1]), id="blocks-repeated"),
+    pytest.param(forged(remote_block_ids=[-1]), id="blocks-negative"),
+    pytest.param(forged(remote_block_ids=[{"a": 1}]), id="blocks-objects"),
+    pytest.param(forged(lease_deadline_unix_s=float("nan")), id="deadline-nan"),
+    pytest.param(forged(lease_remaining_s="inf"), id="remaining-text"),
+    pytest.param(forged(grant="zz" * 40), id="grant-not-hex"),
+    pytest.param(forged(remote_host=""), id="host-empty"),
+    pytest.param(forged(remote_host=["a"]), id="host-list"),
+])
+def test_malformed_pull_params_are_refused_without_raising(side, params):
+    request = FakeRequest("d-1", params, list(range(40)))
+    assert side.num_new_matched_tokens(request, 0) == (0, False)
+    side.after_alloc(request, [70, 71], num_external_tokens=0)
+    assert side.finished(request, [], normally=False) == (False, None)
+    assert empty(side.take_plan())
+    assert side.refused_params_total == 1  # decided once per request
+
+
+@pytest.mark.parametrize("params", [
+    pytest.param(forged(remote_host="169.254.169.254"), id="redirected-host"),
+    pytest.param(forged(remote_port=6379), id="redirected-port"),
+    pytest.param(forged(remote_block_ids=[11, 12, 13, 14], remote_num_tokens=50), id="more-blocks"),
+    pytest.param(forged(remote_request_id="someone-else"), id="other-request"),
+    pytest.param(forged(remote_engine_id="prefill-engine-9"), id="other-engine"),
+    pytest.param(forged(grant=""), id="unsigned"),
+    pytest.param(remote_params(secret="6f" * 32).to_engine(), id="another-applications-key"),
+])
+def test_pull_params_no_engine_of_this_application_signed_are_refused(side, params):
+    """A forged record must never make the engine connect anywhere or load foreign KV."""
+    request = FakeRequest("d-1", params, list(range(40)))
+    assert side.num_new_matched_tokens(request, 0) == (0, False)
+    side.after_alloc(request, [70, 71, 72], num_external_tokens=40)
+    assert empty(side.take_plan())
+    assert side.refused_params_total == 1
+
+
+def test_an_engine_without_a_secret_pulls_nothing():
+    side = SchedulerSide(replace_settings(grant_secret=""), BLOCK_SIZE)
+    assert side.num_new_matched_tokens(decode_request(), 0) == (0, False)
+
+
+def test_not_a_dict_is_no_params(side):
+    for params in (["do_remote_prefill"], "do_remote_prefill", 7):
+        request = FakeRequest("d-1", params, list(range(40)))
+        assert side.num_new_matched_tokens(request, 0) == (0, False)
+        assert side.finished(request, [1], normally=True) == (False, None)
     assert empty(side.take_plan())
