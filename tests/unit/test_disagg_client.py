@@ -246,3 +246,35 @@ def test_without_the_setting_or_before_the_router_exists_decode_is_routed_at_the
         decode = FakeDecodeClient([DELTA])
         asyncio.run(_drain(_client(prefill, decode, monkeypatch, **kwargs).stream(LONG)))
         assert prefill.calls == 1 and decode.requests[0].route_to is None
+
+
+@pytest.mark.parametrize("failure", [
+    EngineFailure("decode replica failed: ActorDiedError", retriable=True),
+    EngineFailure("Requested sample logprobs of 100, which is greater than max allowed: 20", invalid_request=True),
+], ids=["decode-died", "decode-refused-the-request"])
+def test_a_decode_failure_as_the_first_item_releases_the_prefill_lease(monkeypatch, failure):
+    """Decode that fails before any token may never have pulled: the prefill's blocks must not
+    stay pinned until the lease runs out (each client retry would pin another lease)."""
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([failure])
+
+    async def scenario():
+        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
+        await asyncio.sleep(0.05)  # the release is sent in the background
+        return out
+
+    assert asyncio.run(scenario()) == [failure]
+    assert [p.remote_request_id for p in prefill.released] == ["p-1"]
+
+
+def test_decode_that_streamed_a_token_releases_nothing_itself(monkeypatch):
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([replace(DELTA, finish_reason=None), EngineFailure("died mid-stream", retriable=True)])
+
+    async def scenario():
+        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
+        await asyncio.sleep(0.05)
+        return out
+
+    assert len(asyncio.run(scenario())) == 2
+    assert prefill.released == []  # decode pulled (it produced a token) and released the lease itself

@@ -115,3 +115,48 @@ def test_one_request_fans_out_to_a_bounded_number_of_sequences():
     error = rejected(False, {"model": "m", "prompt": ["a", "b", "c"], "n": MAX_SEQUENCES_PER_REQUEST // 2,
                              "temperature": 1})
     assert error.param == "n" and str(MAX_SEQUENCES_PER_REQUEST) in error.message
+
+
+# -- fields that steer internals, and vLLM's engine-side checks -----------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("kv_transfer_params", {"do_remote_prefill": True, "remote_num_tokens": "x"}),
+    ("kv_transfer_params", {"do_remote_decode": True, "lease_s": 3600}),
+    ("kv_transfer_params", {}),
+    ("kv_transfer_params", None),
+    ("vllm_xargs", {"kv_transfer_params": "x"}),
+])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_internal_fields_from_a_client_are_a_400_naming_them(chat, field, value):
+    base = CHAT if chat else {"model": "m", "prompt": "hi"}
+    error = rejected(chat, {**base, field: value})
+    assert error.param == field and "internal" in error.message
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": True, "top_logprobs": 100}, "logprobs"),  # vLLM's max_logprobs is 20
+    ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias"),
+])
+def test_what_the_engine_would_refuse_is_a_400_at_render(extra, param):
+    error = rejected(True, {**CHAT, **extra})
+    assert error.param == param or param in error.message
+
+
+def test_completion_logprobs_above_the_engines_limit_are_a_400():
+    rejected(False, {"model": "m", "prompt": "hi", "logprobs": 21})
+    render(False, {"model": "m", "prompt": "hi", "logprobs": 20})  # the limit itself is served
+
+
+@pytest.mark.parametrize("extra", [{"echo": True}, {"prompt_logprobs": 1}])
+def test_options_the_engine_path_cannot_honour_are_refused_not_dropped(extra):
+    (name,) = extra
+    assert rejected(False, {"model": "m", "prompt": "hi", **extra}).param == name
+    render(False, {"model": "m", "prompt": "hi", "echo": False})  # the default stays accepted
+
+
+def test_cache_salt_reaches_every_child():
+    rendered = render(False, {"model": "m", "prompt": ["a", "b"], "n": 2, "cache_salt": "tenant-7"})
+    assert [c.cache_salt for c in rendered.children] == ["tenant-7"] * 4
+    assert render(False, {"model": "m", "prompt": "a"}).children[0].cache_salt is None
