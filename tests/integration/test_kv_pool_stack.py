@@ -244,6 +244,103 @@ def test_decode_first_computes_a_turn_whose_history_it_holds_without_the_prefill
     assert after["decode"].kv_transfer.get(pulls, 0) == middle["decode"].kv_transfer.get(pulls, 0)
 
 
+# -- hostile input: client-set transfer parameters never reach the KV connector -----------------
+
+
+class _ConnectionCounter:
+    """A listening socket that counts who connects: where forged parameters point a pull."""
+
+    def __enter__(self):
+        import socket
+        import threading
+
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+        return self
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._listener.close()
+
+
+def _forged_pull(port: int) -> dict:
+    return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+            "remote_engine_id": "attacker", "remote_request_id": "x", "remote_block_ids": [0, 1, 2, 3],
+            "remote_num_tokens": 4 * BLOCK, "block_size_tokens": BLOCK, "lease_deadline_unix_s": 4e9}
+
+
+def _hostile_bodies(port: int) -> list[tuple[str, str]]:
+    """(the field a 400 must name, the raw JSON of the extra fields): raw, so NaN survives."""
+    import json
+
+    return [("kv_transfer_params", '"kv_transfer_params": {"do_remote_prefill": true, "remote_num_tokens": "x"}'),
+            ("kv_transfer_params", '"kv_transfer_params": {"do_remote_decode": true, "lease_s": 3600}'),
+            ("kv_transfer_params", '"kv_transfer_params": {"do_remote_decode": true, "lease_s": NaN}'),
+            ("kv_transfer_params", f'"kv_transfer_params": {json.dumps(_forged_pull(port))}'),
+            ("vllm_xargs", '"vllm_xargs": {"kv_transfer_params": "x"}')]
+
+
+def _leases_outstanding(pool_app) -> dict[str, int]:
+    return {pool: pool_app.stats(pool).kv_transfer.get("leases_outstanding", 0) for pool in pool_app.pools}
+
+
+def _hostile_input_is_refused_and_harmless(pool_app, stack) -> None:
+    """The reported attacks on this layout: each body is a 400 naming the field; the same
+    parameters sent below the ingress, straight to every engine, are ignored (the engine server
+    owns the engine's extra_args); no engine dies, pins a lease or connects where they point."""
+    import json
+
+    from ray import serve
+    from vllm import SamplingParams
+
+    from deployments.records import EngineFailure, EngineRequest, TokenDelta
+
+    prompt = COMPLETION_PROMPTS["long"]
+    with _ConnectionCounter() as attacker:
+        for field, extra in _hostile_bodies(attacker.port):
+            for route, base in (("completions", f'"prompt": {json.dumps(prompt)}'),
+                                ("chat/completions", '"messages": [{"role": "user", "content": "hi"}]')):
+                body = f'{{"model": {json.dumps(stack.model)}, {base}, "max_tokens": 4, {extra}}}'
+                response = httpx.post(f"{pool_app.base_url}/v1/{route}", content=body, timeout=60,
+                                      headers={"content-type": "application/json"})
+                assert response.status_code == 400, (route, extra, response.text)
+                assert response.json()["error"]["param"] == field
+        token_ids = pool_app.complete(prompt)["prompt_token_ids"]
+        for i, pool in enumerate(pool_app.pools):
+            sampling = SamplingParams(max_tokens=4, temperature=0, extra_args={"kv_transfer_params": {
+                **_forged_pull(attacker.port), "do_remote_decode": True, "lease_s": 3600}})
+            handle = serve.get_deployment_handle(pool, app_name=APP).options(stream=True)
+            items = list(handle.generate.remote(EngineRequest(f"hostile-{i}", token_ids, sampling)))
+            assert not any(isinstance(item, EngineFailure) for item in items), items
+            assert isinstance(items[-1], TokenDelta) and items[-1].finish_reason == "length", items[-1]
+        pool_app.complete(prompt)  # every engine still serves
+        assert attacker.accepted == 0, "a forged pull made an engine connect"
+    deadline = time.monotonic() + 15  # a real prefill's lease is released once decode pulled it
+    while any(_leases_outstanding(pool_app).values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_leases_outstanding(pool_app).values()), _leases_outstanding(pool_app)
+
+
+def test_hostile_transfer_params_on_decode_first_pd_are_refused_and_harmless(pool_app, stack):
+    """Decode chosen first, which prefills short and held prompts itself: the exposed layout."""
+    _hostile_input_is_refused_and_harmless(pool_app, stack)
+
+
 def _working_set() -> list[str]:
     """Distinct prompts of ten full blocks each: the chapter number in the first block makes
     every block's chained hash differ from the other prompts'."""
@@ -272,6 +369,11 @@ def test_a_working_set_four_times_the_engines_kv_cache_still_hits_the_pool(pool_
          f"revisited blocks from the pool")
     assert loaded >= math.ceil(0.9 * full)
     pool_app.outputs = {prompt: body["choices"][0]["token_ids"] for prompt, body in zip(prompts, plain)}
+
+
+def test_hostile_transfer_params_on_a_colocated_pool_with_the_kv_pool_are_refused_and_harmless(pool_app, stack):
+    """The layout of the report: one request used to kill this engine (503 EngineDeadError)."""
+    _hostile_input_is_refused_and_harmless(pool_app, stack)
 
 
 def test_corrupted_objects_are_never_used_and_the_engine_recomputes(pool_app):
