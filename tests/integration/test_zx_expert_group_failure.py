@@ -64,6 +64,14 @@ def _healthy_decode_replicas(stack) -> int:
     return deployment.replica_states.get("RUNNING", 0) if deployment.status == "HEALTHY" else 0
 
 
+def _prefill_leases(stack) -> tuple[int, int]:
+    """(leases outstanding, leases that ended by their deadline) on the prefill replica."""
+    from ray import serve
+
+    kv = serve.get_deployment_handle("prefill", app_name=stack.app_name).stats.remote().result(timeout_s=30).kv_transfer
+    return kv.get("leases_outstanding", 0), kv.get("leases_expired_total", 0)
+
+
 def _complete(client, stack, prompt, max_tokens, **extra):
     return client.post(f"{stack.base_url}/v1/completions", json={
         "model": stack.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -77,6 +85,7 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
     assert len(actors) == 2, actors  # one remote rank (rank 1) per group
     victim = actors[0]
     processes_before = _vllm_processes()
+    _, expired_before = _prefill_leases(stack)
     workers = sum(n for title, n in processes_before.items() if title.startswith("VLLM::Worker"))
     assert workers == 5, processes_before  # 1 prefill + 2 groups x 2 ranks
 
@@ -138,6 +147,13 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
                 break
             time.sleep(0.5)
         assert response.status_code == 200, response.text
+        # Every request the broken group failed before its first token (the in-flight ones and
+        # the retries above) had been prefilled: each prefill's lease was released at once,
+        # not left pinning blocks until its deadline (lease_s: 30) while clients retried.
+        deadline = time.monotonic() + 5
+        while _prefill_leases(stack)[0] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _prefill_leases(stack)[0] == 0
         for _ in range(4):
             response = _complete(client, stack, COMPLETION_PROMPTS["short"], MAX_TOKENS)
             assert response.status_code == 200, response.text
@@ -164,3 +180,4 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
     for response, name in zip(asyncio.run(after_restart()), ["short"] * 4 + ["long"] * 4):
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"]
+    assert _prefill_leases(stack)[1] == expired_before, "a prefill lease was left to expire"
