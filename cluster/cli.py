@@ -86,6 +86,8 @@ def _print_ready(result, manifest: Manifest) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from cluster.checkpoints import resolve_model_path
+    from cluster.leftover_processes import clear_leftovers, port_holders
+    from cluster.leftovers import up_port_needs
     from cluster.local_cluster import ClusterPorts, LocalCluster
     from cluster.serve_control import connect, deploy
 
@@ -93,6 +95,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if manifest.local_cluster is None:
         raise ClusterError("this manifest declares no local_cluster; use `moe-serve deploy` on a running cluster")
     check_fit(manifest)
+    # What a killed `moe-serve up` left running (HAProxy on the HTTP port, vLLM's DP
+    # coordinators, the pool master, Prometheus) is ended here, and a port held by anything else
+    # refuses the start at once, naming the holder and the fix (cluster/leftovers.py), instead
+    # of HAProxy failing to bind minutes later while the orphan answers on the port.
+    needs = up_port_needs(manifest, args.gcs_port, args.dashboard_port, prometheus=not args.no_prometheus)
+    clear_leftovers(needs, progress=_progress)
     resolve_model_path(manifest.model.path)  # build the tiny checkpoint before starting anything
     cluster = LocalCluster.for_manifest(manifest, ClusterPorts(gcs=args.gcs_port, dashboard=args.dashboard_port))
     # Ctrl-C or SIGTERM at any point stops at once: during start-up or the deploy it unwinds
@@ -130,11 +138,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _progress("interrupted during start-up: stopping what was started")
         raise
+    except Exception as exc:
+        # A port taken between the check above and its bind (HAProxy's start raises a
+        # RuntimeError carrying its own output): the holder and the fix, not a traceback.
+        if isinstance(exc, ClusterError) or "Address already in use" not in str(exc):
+            raise
+        holders = port_holders(needs)
+        raise ClusterError(f"a port was taken while the cluster started: {_bind_failure(exc)}"
+                           + ("".join(f"\n{line}" for line in holders))) from None
     finally:
         if prometheus is not None:
             prometheus.stop()
         _shutdown(cluster)
     return 0
+
+
+def _bind_failure(exc: BaseException) -> str:
+    """The line of `exc` that says which bind failed (HAProxy prints notices and a closing
+    "Fatal errors found" line around it)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return next((line for line in lines if "Address already in use" in line), lines[-1] if lines else "")
 
 
 def _raise_interrupt(*_) -> None:

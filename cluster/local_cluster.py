@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import ClusterError
+from cluster.leftover_processes import mark_owner
 from cluster.manifest import LocalClusterSpec
 from cluster.process_tree import end_survivors, process_tree
 from cluster.ray_node_env import NODE_ENVIRONMENT
@@ -129,6 +130,11 @@ class LocalCluster:
         return cls(manifest.local_cluster, ports, environment=serve_environment(manifest.http), **kwargs)
 
     def start(self, progress=print) -> "LocalCluster":
+        # Every process of the cluster inherits this process's owner marker, so that a later
+        # `moe-serve up` can tell what this one left running if it is killed without its
+        # `finally` (cluster/leftovers.py). Set for good: Prometheus and anything else the owner
+        # starts beside the cluster carry it too.
+        mark_owner()
         # Before Ray is imported: Ray reads its auth mode once, at import.
         apply_ray_environment()
         node_only = {**self.environment, **haproxy_isolation(self.environment, self.ports)}

@@ -14,6 +14,7 @@ by pid and creation time (psutil), so a pid reused by an unrelated process is ne
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import psutil
@@ -44,17 +45,48 @@ def end_survivors(processes: Iterable[psutil.Process], exit_wait_s: float = 5.0,
     for process in alive:
         try:
             described.append(f"{process.name()} (pid {process.pid})")
-            process.terminate()
         except psutil.NoSuchProcess:
             continue
-    _, stubborn = psutil.wait_procs(alive, timeout=grace_s)
-    for process in stubborn:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(stubborn, timeout=grace_s)
+    end_processes(alive, grace_s)
     if described:
         logger.warning("ended %d process(es) left running by the stopped Ray node(s): %s",
                        len(described), ", ".join(described))
     return described
+
+
+def end_processes(processes: Iterable[psutil.Process], grace_s: float = 3.0) -> list[psutil.Process]:
+    """SIGTERM `processes`, SIGKILL those still alive after `grace_s`, and wait up to `grace_s`
+    more for them to be gone; the ones that are not (a process stuck in the kernel). psutil
+    refuses to signal a pid that now belongs to another process (it compares creation times).
+    A zombie counts as gone: it holds no memory and no socket, and a process orphaned in a
+    container whose init does not reap stays one for good."""
+    alive = [process for process in processes if _alive(process)]
+    for process in alive:
+        _signal(process, psutil.Process.terminate)
+    stubborn = _wait_gone(alive, grace_s)
+    for process in stubborn:
+        _signal(process, psutil.Process.kill)
+    return _wait_gone(stubborn, grace_s)
+
+
+def _signal(process: psutil.Process, send) -> None:
+    try:
+        send(process)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass  # gone already, or not ours to signal: _wait_gone reports it if it stays
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(processes: list[psutil.Process], timeout_s: float, poll_s: float = 0.05) -> list[psutil.Process]:
+    deadline_s = time.monotonic() + timeout_s
+    alive = [process for process in processes if _alive(process)]
+    while alive and time.monotonic() < deadline_s:
+        time.sleep(poll_s)
+        alive = [process for process in alive if _alive(process)]
+    return alive

@@ -7,7 +7,14 @@ driver afterwards.
 
 Ray's own cleanup ends a worker's children by process group (measured: a plain child of such an
 actor is gone after a graceful stop and after its node is killed); a child in a session of its
-own is beyond it, and is what cluster/process_tree.py is there for."""
+own is beyond it, and is what cluster/process_tree.py is there for.
+
+With `--leave-listener PORT` it plays a `moe-serve up` whose terminal crashed: the actor's child
+listens on PORT (as Serve's HAProxy listens on the HTTP port, from a session of its own), the
+script prints the child's pid and the actor's process title as JSON and waits, without stopping
+anything, for the test to SIGKILL its process group. The child then outlives it, as the
+issue's HAProxy did, carrying the owner marker it inherited through the Ray node
+(cluster/leftovers.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from cluster.local_cluster import ClusterPorts, LocalCluster
 from cluster.manifest import LocalClusterSpec, LocalNodeSpec
@@ -24,7 +32,47 @@ MODE = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 
 
+LISTENER = """
+import signal, socket, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+server = socket.socket()
+server.bind(("127.0.0.1", int(sys.argv[1])))
+server.listen()
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+def leave_listener(port: int) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    ports = ClusterPorts(gcs=reserve_port(), dashboard=reserve_port(), metrics_export_base=reserve_port())
+    cluster = LocalCluster(LocalClusterSpec(nodes=[LocalNodeSpec(name="only", num_cpus=1)]), ports)
+    cluster.start(progress=lambda line: print(line, file=sys.stderr))
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Spawner:
+        def start_listener(self, port: int) -> tuple[int, str]:
+            import subprocess
+
+            child = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)], start_new_session=True,
+                                     stdout=subprocess.PIPE, text=True)
+            child.stdout.readline()  # listening
+            title = open("/proc/self/cmdline", "rb").read().split(b"\0")[0].decode()
+            return child.pid, title
+
+    spawner = Spawner.options(name="spawner", lifetime="detached").remote()
+    child_pid, title = ray.get(spawner.start_listener.remote(port), timeout=120)
+    print(json.dumps({"child_pid": child_pid, "actor_title": title, "owner_pid": os.getpid()}), flush=True)
+    time.sleep(600)  # until SIGKILLed with the process group
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--leave-listener"]:
+        leave_listener(int(sys.argv[2]))
+        return
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     ports = ClusterPorts(gcs=reserve_port(), dashboard=reserve_port(), metrics_export_base=reserve_port())
     cluster = LocalCluster(LocalClusterSpec(nodes=[LocalNodeSpec(name="only", num_cpus=1)]), ports,
