@@ -142,7 +142,8 @@ def transfer_connections(manifest: Manifest) -> int:
     if not manifest.disaggregated:
         return MIN_CONNECTIONS
     decode = manifest.pool_with_role(PoolRole.decode)
-    workers = decode.autoscaling.max_replicas * max(
+    replicas = decode.autoscaling.max_replicas if decode.autoscaling is not None else decode.replicas
+    workers = replicas * max(
         decode.expert_parallel.size if decode.expert_parallel is not None else 1,
         decode.engine.tensor_parallel_size)
     from kv_transfer.settings import ConnectorSettings

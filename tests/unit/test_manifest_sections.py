@@ -125,3 +125,23 @@ def test_local_prefill_by_hit_fraction_needs_to_know_what_decode_caches():
     data["kv_transfer"]["local_prefill_hit_fraction"] = 1.5
     with pytest.raises(ManifestError, match=r"local_prefill_hit_fraction"):
         parse_manifest(data)
+
+
+def test_only_the_prefill_pool_lends_kv_and_the_transfer_port_is_sized_from_the_decode_side():
+    from cluster.manifest import PoolRole
+    from deployments.builder import MIN_CONNECTIONS, engine_kv_settings, transfer_connections
+
+    address = {"master_address": "10.0.0.1:50051", "metadata_url": "http://10.0.0.1:8080/metadata"}
+    manifest = load_manifest(LOCAL)
+    lends = {role: engine_kv_settings(manifest, address, "ab" * 32, role)["lends_kv"]
+             for role in (PoolRole.prefill, PoolRole.decode)}
+    assert lends == {PoolRole.prefill: True, PoolRole.decode: False}
+    colocated = parse_manifest({**raw(LOCAL), "pools": [{**raw(LOCAL)["pools"][1], "name": "engine",
+                                                         "role": "colocated", "expert_parallel": None}]})
+    settings = engine_kv_settings(colocated, address, "ab" * 32, PoolRole.colocated)
+    assert settings["lends_kv"] is False and settings["grant_secret"] == "ab" * 32
+    # Every decode worker at full scale may hold a pull pool's connections to one prefill engine.
+    bigger = parse_manifest({**raw(LOCAL), "pools": [raw(LOCAL)["pools"][0],
+                                                      {**raw(LOCAL)["pools"][1], "replicas": 40}]})
+    assert transfer_connections(manifest) == MIN_CONNECTIONS
+    assert transfer_connections(bigger) == 40 * 2 * 6 + 16 > 256
