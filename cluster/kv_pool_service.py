@@ -93,6 +93,9 @@ class MasterConfig:
         return [str(binary), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
                 f"--http_metadata_server_host={self.host}", f"--metrics_port={self.metrics_port}",
+                # Its metrics/admin server (it lists and can drop every key) listens on every
+                # interface unless told otherwise: only where the master itself is reached.
+                f"--metrics_host={self.host}",
                 f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}",
                 f"--eviction_ratio={self.eviction_ratio}", f"--default_kv_lease_ttl={self.kv_lease_ttl_ms}",
                 f"--client_ttl={self.client_ttl_s}", "--enable_metadata_cleanup_on_timeout=true",
