@@ -3,7 +3,9 @@ over the real "tcp" transport on 127.0.0.1, each serving a bytearray-backed page
 implements KVPages' interface (pages, num_layers, num_blocks, page_bytes).
 
 The prefill side gets LeaseGrants and the decode side PullJobs exactly as the scheduler side
-ships them (StepPlan); results() is polled the way vLLM polls get_finished each step.
+ships them (StepPlan); results() is polled the way vLLM polls get_finished each step. Both sides
+hold the application's grant secret and only the prefill side lends KV; transfer parameters are
+signed as that prefill's scheduler side signs them (kv_grant_fakes.signed).
 """
 
 import random
@@ -20,6 +22,7 @@ from kv_transfer.leases import LeaseTable
 from kv_transfer.params import TransferParams
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.transport import get_backend
+from tests.unit.kv_grant_fakes import SECRET, grant_for, signed
 
 LAYERS, BLOCKS, PAGE_BYTES = 3, 16, 2048
 HOST = "127.0.0.1"
@@ -61,6 +64,7 @@ class Side:
     worker: connector_worker.WorkerSide
     pages: BytePages
     port: int
+    engine_id: str
 
 
 @dataclass
@@ -93,10 +97,12 @@ def make_side():
     sides: list[Side] = []
 
     def make(engine_id: str, *, seed: int | None = None, **settings) -> Side:
+        """Engines of one P/D application: all hold its grant secret, "prefill-*" ones lend KV."""
         port = free_port()
+        settings = {"grant_secret": SECRET, "lends_kv": engine_id.startswith("prefill-"), **settings}
         worker = connector_worker.WorkerSide(ConnectorSettings(
             host=HOST, port=port, engine_id=engine_id, transfer_timeout_s=2.0, **settings))
-        side = Side(worker, BytePages(seed), port)
+        side = Side(worker, BytePages(seed), port, engine_id)
         sides.append(side)
         worker.register(side.pages)
         return side
@@ -124,18 +130,26 @@ def client():
 
 
 def params_for(prefill: Side, request_id: str, block_ids, port: int | None = None) -> TransferParams:
-    return TransferParams(
-        remote_host=HOST, remote_port=prefill.port if port is None else port, remote_engine_id="prefill-0",
+    """What `prefill`'s scheduler side hands decode for its lease of `block_ids`, signed."""
+    return signed(TransferParams(
+        remote_host=HOST, remote_port=prefill.port if port is None else port, remote_engine_id=prefill.engine_id,
         remote_request_id=request_id, remote_block_ids=tuple(block_ids), remote_num_tokens=16 * len(block_ids),
-        block_size_tokens=16, lease_deadline_unix_s=time.time() + 10)
+        block_size_tokens=16, lease_deadline_unix_s=time.time() + 10))
 
 
 def grant(side: Side, request_id: str, block_ids, lease_s: float = 10.0) -> None:
     side.worker.apply(StepPlan(grants=[LeaseGrant(request_id, tuple(block_ids), lease_s)]))
 
 
-def pull(decode: Side, request_id: str, params: TransferParams, local_block_ids) -> None:
-    decode.worker.apply(StepPlan(pulls=[PullJob(request_id, params, tuple(local_block_ids), params.remote_block_ids)]))
+def pull(decode: Side, request_id: str, params: TransferParams, local_block_ids, remote_block_ids=None) -> None:
+    remote = params.remote_block_ids if remote_block_ids is None else tuple(remote_block_ids)
+    decode.worker.apply(StepPlan(pulls=[PullJob(request_id, params, tuple(local_block_ids), remote)]))
+
+
+def release(client, prefill: Side, request_id: str, lease_block_ids, timeout_s: float = 2.0) -> None:
+    """A decode's RELEASE of `request_id`'s lease of `lease_block_ids` on `prefill`, with its grant."""
+    grant = grant_for(request_id, lease_block_ids, host=HOST, port=prefill.port, engine_id=prefill.engine_id)
+    client.release(HOST, prefill.port, request_id, timeout_s, tuple(lease_block_ids), grant)
 
 
 ZERO_PAGE = bytes(PAGE_BYTES)
@@ -209,7 +223,7 @@ def test_injected_failure_is_reported_and_still_releases_the_lease(make_side, pr
 
 def test_remote_error_fails_the_pull_and_releases(prefill, decode):
     grant(prefill, "p-1", (2,))
-    pull(decode, "d-1", params_for(prefill, "p-1", (BLOCKS + 3,)), (1,))  # a block prefill cannot serve
+    pull(decode, "d-1", params_for(prefill, "p-1", (2,)), (1,), remote_block_ids=(BLOCKS + 3,))  # not in the lease
     received = collect(decode, lambda r: "d-1" in r.recving)
     assert received.failed == {"d-1"}
     assert untouched(decode, range(BLOCKS))
@@ -256,7 +270,7 @@ def test_a_lease_ending_while_its_pages_are_sent_keeps_them_until_the_send_is_do
 
 def test_release_before_the_grant_frees_the_blocks_when_the_grant_arrives(prefill, client):
     # Decode can pull and release before the prefill engine's next step delivers the grant.
-    client.release(HOST, prefill.port, "p-1", 2.0)  # returns once the worker handled it
+    release(client, prefill, "p-1", (6, 7))  # returns once the worker handled it
     assert prefill.worker.results() == (set(), set(), set())  # nothing was held yet
     assert prefill.worker.stats()["leases_outstanding"] == 0
 
@@ -278,12 +292,12 @@ def test_duplicate_release_after_the_lease_ended_leaves_no_state(make_side, clie
     prefill = make_side("prefill-0", seed=3, lease_s=0.5)
     if ended_by == "release":
         grant(prefill, "p-1", (1, 2))
-        client.release(HOST, prefill.port, "p-1", 2.0)
+        release(client, prefill, "p-1", (1, 2))
     else:
         grant(prefill, "p-1", (1, 2), lease_s=0.05)
     assert collect(prefill, lambda r: "p-1" in r.sending).sending == {"p-1"}
 
-    client.release(HOST, prefill.port, "p-1", 2.0)  # late or repeated RELEASE: answered OK, ignored
+    release(client, prefill, "p-1", (1, 2))  # late or repeated RELEASE: answered OK, ignored
     assert prefill.worker._released_early == {}  # nothing remembered that a later grant would consume
     assert prefill.worker.results() == (set(), set(), set())
     assert prefill.worker.stats()["leases_released_total"] == (1 if ended_by == "release" else 0)
@@ -297,10 +311,10 @@ def test_release_racing_the_grant_is_not_lost(monkeypatch, make_side, client):
 
     class ReleaseDuringGrant(LeaseTable):
         def grant(self, request_id, block_ids, now_s, lease_s):
-            def release():
-                client.release(HOST, side.port, request_id, WAIT_S)
+            def release_now():
+                release(client, side, request_id, block_ids, WAIT_S)
                 released.set()
-            threading.Thread(target=release, daemon=True).start()
+            threading.Thread(target=release_now, daemon=True).start()
             released.wait(0.5)  # give the release every chance to slip in before the grant
             return super().grant(request_id, block_ids, now_s, lease_s)
 

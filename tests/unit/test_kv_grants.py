@@ -1,36 +1,68 @@
 """Signed lease grants (kv_transfer/grants.py) and the transfer server that checks them: a read
 or release without a valid grant is refused, a replay after the deadline is refused even when
-the server no longer remembers the lease, and a grant made with another secret never verifies."""
+the server no longer remembers the lease, a grant made with another secret never verifies, and
+a grant opens only the scope it was signed for (engine, address, request, the lease's blocks)."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from kv_transfer.errors import TransferFailed
-from kv_transfer.grants import PAYLOAD_BYTES, GrantKey
+from kv_transfer.grants import PAYLOAD_BYTES, EngineGrants, GrantKey, GrantScope
 from kv_transfer.transport import get_backend
-from tests.unit.test_kv_tcp_transport import BytePages, _same
+from tests.unit.kv_grant_fakes import SECRET, EveryBlockLeased, engine_grants, grant_for
+from tests.unit.test_kv_tcp_transport import BLOCKS, BytePages, _same
 
-SECRET = "ab" * 32
 OTHER = "cd" * 32
+SCOPE = GrantScope("prefill-0", "10.0.0.7", 47001, "req-1", (3, 4, 5))
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def test_a_grant_verifies_only_for_its_request_secret_and_lifetime():
+def test_a_grant_verifies_only_for_its_scope_secret_and_lifetime():
     key = GrantKey(SECRET)
-    grant = key.payload("req-1", 2_000)
+    grant = key.payload(SCOPE, 2_000)
     assert len(grant) == PAYLOAD_BYTES
-    assert key.check("req-1", grant, 1_999) is None
-    assert "expired" in key.check("req-1", grant, 2_000)
-    assert key.check("req-1", grant, None) is None  # releases: the MAC alone
-    assert "does not verify" in key.check("req-2", grant, 1_000)
-    assert "does not verify" in GrantKey(OTHER).check("req-1", grant, 1_000)
+    assert key.check(SCOPE, grant, 1_999) is None
+    assert "expired" in key.check(SCOPE, grant, 2_000)
+    assert key.check(SCOPE, grant, None) is None  # releases: the MAC alone
+    assert "does not verify" in GrantKey(OTHER).check(SCOPE, grant, 1_000)
     forged_deadline = grant[:32] + (10 ** 12).to_bytes(8, "big")  # extending a lease breaks the MAC
-    assert "does not verify" in key.check("req-1", forged_deadline, 1_000)
-    assert "no lease grant" in key.check("req-1", b"", 1_000)
+    assert "does not verify" in key.check(SCOPE, forged_deadline, 1_000)
+    assert "no lease grant" in key.check(SCOPE, b"", 1_000)
+    elsewhere = {
+        "another request": replace(SCOPE, request_id="req-2"),
+        "another engine": replace(SCOPE, engine_id="prefill-1"),
+        "another host": replace(SCOPE, host="10.0.0.8"),
+        "another port": replace(SCOPE, port=47002),
+        "a block more": replace(SCOPE, block_ids=(3, 4, 5, 6)),
+        "a block less": replace(SCOPE, block_ids=(3, 4)),
+        "another block": replace(SCOPE, block_ids=(3, 4, 9)),
+    }
+    for name, scope in elsewhere.items():
+        assert "does not verify" in (key.check(scope, grant, 1_000) or ""), name
+
+
+def test_no_two_scopes_sign_the_same_bytes():
+    # Fields are length-prefixed: moving characters between neighbouring fields changes the message.
+    a = GrantScope("ab", "c", 1, "r", (1,))
+    b = GrantScope("a", "bc", 1, "r", (1,))
+    c = GrantScope("a", "b", 1, "cr", (1,))
+    assert len({a.message(5), b.message(5), c.message(5)}) == 3
+    assert GrantScope("e", "h", 1, "r", (1, 2)).message(5) != GrantScope("e", "h", 1, "r", (1,)).message(5)
+
+
+def test_an_engine_checks_grants_against_its_own_identity():
+    key = GrantKey(SECRET)
+    grant = key.payload(SCOPE, _now_ms() + 10_000)
+    own = EngineGrants(key, "prefill-0", "10.0.0.7", 47001)
+    assert own.check("req-1", (3, 4, 5), grant, _now_ms()) is None
+    assert "does not verify" in own.check("req-1", (3, 4), grant, _now_ms())
+    assert "does not verify" in EngineGrants(key, "prefill-1", "10.0.0.7", 47001).check("req-1", (3, 4, 5), grant,
+                                                                                        _now_ms())
 
 
 def test_a_weak_or_malformed_secret_is_refused():
@@ -44,8 +76,8 @@ def test_a_weak_or_malformed_secret_is_refused():
 def granted_server():
     source = BytePages(seed=11)
     released = []
-    server = get_backend("tcp").server("127.0.0.1", 0, source, on_release=released.append,
-                                       on_stats=lambda: {}, grant_key=GrantKey(SECRET))
+    server = get_backend("tcp").server("127.0.0.1", 0, source, on_release=released.append, on_stats=lambda: {},
+                                       leases=EveryBlockLeased(BLOCKS), grant_key=engine_grants())
     server.start()
     client = get_backend("tcp").client()
     yield server, client, source, released
@@ -60,22 +92,27 @@ def _read(client, server, request_id, blocks, grant):
     return sink
 
 
-def test_reads_need_a_live_grant_for_their_request(granted_server):
+LEASE = range(BLOCKS)  # what every request holds on the granted server
+
+
+def test_reads_need_a_live_grant_for_their_lease(granted_server):
     server, client, source, _ = granted_server
-    key = GrantKey(SECRET)
-    sink = _read(client, server, "req-1", [1, 2], key.payload("req-1", _now_ms() + 10_000))
+    sink = _read(client, server, "req-1", [1, 2], grant_for("req-1", LEASE))
     assert _same(source, sink, [1, 2])
     cases = {
         "no grant": b"",
-        "another request's grant": key.payload("req-2", _now_ms() + 10_000),
-        "a grant signed with another secret": GrantKey(OTHER).payload("req-1", _now_ms() + 10_000),
-        "an expired grant (a replay)": key.payload("req-1", _now_ms() - 1),
+        "another request's grant": grant_for("req-2", LEASE),
+        "a grant signed with another secret": grant_for("req-1", LEASE, secret=OTHER),
+        "an expired grant (a replay)": grant_for("req-1", LEASE, lease_s=-0.001),
+        "another engine's grant": grant_for("req-1", LEASE, engine_id="prefill-1"),
+        "a grant for another address": grant_for("req-1", LEASE, port=47001),
+        "a grant of only the blocks read": grant_for("req-1", [1, 2]),
     }
     for name, grant in cases.items():
         with pytest.raises(TransferFailed, match="refused"):
             _read(client, server, "req-1", [1, 2], grant)
     assert server.refused_requests == len(cases)
-    assert _read(client, server, "req-3", [0], key.payload("req-3", _now_ms() + 10_000))  # still serving
+    assert _read(client, server, "req-3", [0], grant_for("req-3", LEASE))  # still serving
 
 
 def test_releases_need_the_grant_too(granted_server):
@@ -84,9 +121,13 @@ def test_releases_need_the_grant_too(granted_server):
     with pytest.raises(TransferFailed, match="refused"):
         client.release(host, port, "req-1", 5.0, (1,), b"")
     with pytest.raises(TransferFailed, match="refused"):
-        client.release(host, port, "req-1", 5.0, (1,), GrantKey(OTHER).payload("req-1", _now_ms() + 10_000))
+        client.release(host, port, "req-1", 5.0, (1,), grant_for("req-1", (1,), secret=OTHER))
+    with pytest.raises(TransferFailed, match="refused"):  # the grant of (1, 2) does not release (1,)
+        client.release(host, port, "req-1", 5.0, (1,), grant_for("req-1", (1, 2)))
+    with pytest.raises(TransferFailed, match="refused"):
+        client.release(host, port, "req-1", 5.0, (1,), grant_for("req-1", (1,), engine_id="prefill-1"))
     assert released == []
-    client.release(host, port, "req-1", 5.0, (1,), GrantKey(SECRET).payload("req-1", _now_ms() - 1))
+    client.release(host, port, "req-1", 5.0, (1,), grant_for("req-1", (1,), lease_s=-0.001))
     assert released == ["req-1"]  # late is fine: the lease has ended anyway
 
 

@@ -19,6 +19,7 @@ from kv_transfer.connector_scheduler import SchedulerSide
 from kv_transfer.params import (CONSUME_KEY, TRANSIT_ALLOWANCE_S, TransferParams, handed_over, prefill_request_params,
                                 received)
 from kv_transfer.settings import ConnectorSettings
+from tests.unit.kv_grant_fakes import SECRET
 from tests.unit.test_kv_connector_scheduler import prefill_request
 from tests.unit.test_kv_connector_worker import collect, grant, make_side, pull  # noqa: F401 (fixture)
 from tests.unit.test_kv_connector_worker import HOST, params_for
@@ -87,7 +88,8 @@ def test_params_of_a_prefill_that_sends_no_remaining_time_keep_the_wall_clock_ch
 
 
 def test_prefill_issues_the_lease_time_left_with_its_deadline():
-    side = SchedulerSide(ConnectorSettings(host=HOST, port=1, engine_id="p", lease_s=8.0), 16)
+    side = SchedulerSide(ConnectorSettings(host=HOST, port=1, engine_id="p", lease_s=8.0, grant_secret=SECRET,
+                                           lends_kv=True), 16)
     _, engine_params = side.finished(prefill_request("p-1", params=prefill_request_params()), [3, 4], normally=True)
     assert engine_params["lease_remaining_s"] == 8.0
     assert engine_params["lease_deadline_unix_s"] == pytest.approx(time.time() + 8.0, abs=1.0)

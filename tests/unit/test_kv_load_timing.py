@@ -14,9 +14,12 @@ from monitoring.metrics import Phase
 from monitoring.phases import RequestMarks, request_phases
 from tests.unit.test_kv_connector_worker import BytePages, free_port
 from tests.unit.test_kv_pool_tier import BS, blocks_of, request, worker
+from tests.unit.kv_grant_fakes import SECRET
 from tests.unit.kv_pool_fakes import FakePoolStore
 
 SETTINGS = ConnectorSettings(port=0)
+# A prefill engine of a P/D application: it lends KV and signs its grants.
+PREFILL_SETTINGS = ConnectorSettings(port=47001, engine_id="prefill-0", grant_secret=SECRET, lends_kv=True)
 
 
 def _finished_recving(side: WorkerSide, request_id: str) -> None:
@@ -78,7 +81,7 @@ def test_the_scheduler_returns_the_timing_with_the_finished_request():
 
 
 def test_a_prefill_carries_its_pool_timing_inside_its_transfer_params():
-    side = SchedulerSide(SETTINGS, BS)
+    side = SchedulerSide(PREFILL_SETTINGS, BS)
     req = request("p-1", prompt_len=40, num_computed_tokens=40, kv_transfer_params={"do_remote_decode": True})
     side.record_load_times({"p-1": LoadTiming(0.5, 1)})
     delay, out = side.finished(req, [1, 2, 3], normally=True)

@@ -1,7 +1,8 @@
 """The "mooncake" KV transport on Mooncake's real transfer engine (TCP protocol, loopback).
 
 Server and client run in this one process with a TransferEngine each. Skipped where the
-Mooncake wheel is not installed.
+Mooncake wheel is not installed. As in test_kv_tcp_transport.py, servers lend every block under
+the test grants and the client presents them (kv_grant_fakes).
 """
 
 import random
@@ -15,6 +16,7 @@ from kv_transfer.errors import TransferFailed  # noqa: E402
 from kv_transfer.leases import LeaseTable  # noqa: E402
 from kv_transfer.transport import get_backend  # noqa: E402
 from kv_transfer.transport import mooncake_client  # noqa: E402
+from tests.unit.kv_grant_fakes import EveryBlockLeased, GrantingClient, engine_grants, grant_for  # noqa: E402
 
 LAYERS, BLOCKS, PAGE_BYTES = 3, 12, 4096
 
@@ -66,6 +68,7 @@ class Served:
 
     def __init__(self, backend, source, **kwargs):
         self.source, self.released = source, []
+        kwargs = {"leases": EveryBlockLeased(BLOCKS), "grant_key": engine_grants(), **kwargs}
         self.server = backend.server("127.0.0.1", 0, source, self.released.append,
                                      lambda: {"served": 3, "backend": "mooncake"}, **kwargs)
         self.server.start()
@@ -88,7 +91,7 @@ def array_server(backend):
 
 @pytest.fixture(scope="module")
 def client(backend):
-    client = backend.client()
+    client = GrantingClient(backend.client(), BLOCKS)
     yield client
     client.close()
 
@@ -140,22 +143,27 @@ def test_lease_refusal_is_transfer_failed(backend, client):
     leases = LeaseTable()
     served, sink = Served(backend, BytePages(seed=3), leases=leases), BytePages()
     try:
+        grant = grant_for("req-x", [3])
         with pytest.raises(TransferFailed, match="holds no KV lease") as info:
-            client.fetch(*served.address, "req-x", [3], sink.pages([3]), 5.0)
+            client.fetch(*served.address, "req-x", [3], sink.pages([3]), 5.0, grant)
         assert info.value.remote
         leases.grant("req-x", [3], now_s=0.0, lease_s=1e12)
         with pytest.raises(TransferFailed, match="not all leased"):
-            client.fetch(*served.address, "req-x", [3, 4], sink.pages([3, 4]), 5.0)
+            client.fetch(*served.address, "req-x", [3, 4], sink.pages([3, 4]), 5.0, grant)
         assert sink.page(0, 3) == bytes(PAGE_BYTES)
-        client.fetch(*served.address, "req-x", [3], sink.pages([3]), 5.0)
+        client.fetch(*served.address, "req-x", [3], sink.pages([3]), 5.0, grant)
         assert _same(served.source, sink, [3], [3])
     finally:
         served.server.stop()
 
 
-def test_unknown_block_is_transfer_failed(byte_server, client):
-    with pytest.raises(TransferFailed, match="cannot serve blocks"):
-        client.fetch(*byte_server.address, "req-1", [99], BytePages().pages([0]), 5.0)
+def test_unknown_block_is_transfer_failed(backend, client):
+    served = Served(backend, BytePages(seed=1), leases=EveryBlockLeased(100))  # leased, but not held
+    try:
+        with pytest.raises(TransferFailed, match="cannot serve blocks"):
+            client.fetch(*served.address, "req-1", [99], BytePages().pages([0]), 5.0, grant_for("req-1", range(100)))
+    finally:
+        served.server.stop()
 
 
 def test_release_and_stats_round_trip(byte_server, client):
@@ -196,7 +204,7 @@ def test_kv_pages_of_torch_caches_round_trip(backend):
     decode_buf = torch.zeros_like(prefill_buf)
     source = KVPages({f"model.layers.{i}.attn": prefill_buf[i] for i in range(2)})
     sink = KVPages({f"model.layers.{i}.attn": decode_buf[i] for i in range(2)})
-    client = backend.client()  # its own: the sink's regions stay registered with its engine
+    client = GrantingClient(backend.client(), BLOCKS)  # its own: the sink's regions stay registered with its engine
     client.register_sink(sink)
     served = Served(backend, source)
     try:

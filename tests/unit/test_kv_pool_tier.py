@@ -18,6 +18,7 @@ from kv_transfer.pool.store import PoolUnavailable
 from kv_transfer.pool.worker_tier import PoolLoadFailed, PoolWorker
 from kv_transfer.params import TransferParams
 from kv_transfer.settings import ConnectorSettings
+from tests.unit.kv_grant_fakes import SECRET, signed
 from tests.unit.kv_pool_fakes import FakePoolStore, PoolRequest, chained_hashes
 from tests.unit.test_kv_connector_worker import LAYERS, PAGE_BYTES, BytePages
 
@@ -178,11 +179,12 @@ def test_no_store_while_the_pool_is_down(tier, store, clock):
 
 # -- the scheduler side with a pool ----------------------------------------------------------------
 
-SETTINGS = ConnectorSettings(host="10.0.0.7", port=47001, engine_id="e", lease_s=8.0)
+SETTINGS = ConnectorSettings(host="10.0.0.7", port=47001, engine_id="e", lease_s=8.0, grant_secret=SECRET)
 
 
 def remote(block_ids, num_tokens) -> TransferParams:
-    return TransferParams("10.0.0.7", 47001, "p", "p-1", tuple(block_ids), num_tokens, BS, time.time() + 8)
+    """A prefill engine's lease, signed as it signs it (decode pulls only what verifies)."""
+    return signed(TransferParams("10.0.0.7", 47001, "p", "p-1", tuple(block_ids), num_tokens, BS, time.time() + 8))
 
 
 def test_colocated_request_loads_its_pool_hit_asynchronously(tier, store):

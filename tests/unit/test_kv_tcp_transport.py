@@ -1,4 +1,9 @@
-"""The "tcp" KV transport on real loopback sockets, with bytearray-backed pages."""
+"""The "tcp" KV transport on real loopback sockets, with bytearray-backed pages.
+
+These tests are about moving bytes: servers check grants against a lease table in which every
+request holds every block, and the client presents a grant of that lease (kv_grant_fakes).
+Who may read what is tested in test_kv_grants.py and test_kv_port_security.py.
+"""
 
 import random
 import socket
@@ -12,6 +17,7 @@ from kv_transfer.errors import TransferFailed, TransferTimeout, UnknownBackendEr
 from kv_transfer.leases import LeaseTable
 from kv_transfer.transport import get_backend, sockio
 from kv_transfer.transport.base import FetchResult, PageSink, PageSource
+from tests.unit.kv_grant_fakes import EveryBlockLeased, GrantingClient, engine_grants, grant_for
 
 LAYERS, BLOCKS, PAGE_BYTES = 4, 16, 4096
 
@@ -41,7 +47,8 @@ def serve(source):
     servers = []
 
     def start(**kwargs):
-        kwargs = {"on_release": lambda rid: None, "on_stats": lambda: {}, **kwargs}
+        kwargs = {"on_release": lambda rid: None, "on_stats": lambda: {}, "grant_key": engine_grants(),
+                  "leases": EveryBlockLeased(BLOCKS), **kwargs}
         server = get_backend("tcp").server("127.0.0.1", 0, source, **kwargs)
         server.start()
         servers.append(server)
@@ -52,9 +59,15 @@ def serve(source):
         server.stop()
 
 
+def lending_server(source):
+    """An unstarted tcp server that lends every block of `source` under the test grants."""
+    return get_backend("tcp").server("127.0.0.1", 0, source, on_release=lambda rid: None, on_stats=lambda: {},
+                                     leases=EveryBlockLeased(BLOCKS), grant_key=engine_grants())
+
+
 @pytest.fixture
 def client():
-    client = get_backend("tcp").client()
+    client = GrantingClient(get_backend("tcp").client(), BLOCKS)
     yield client
     client.close()
 
@@ -133,12 +146,16 @@ def test_server_drops_a_client_that_stalls_mid_message(serve):
 
 
 def test_unknown_blocks_fail_with_the_server_message_and_keep_the_connection(serve, client, source):
-    server = serve()
+    server = serve(leases=EveryBlockLeased(100))  # leased, but the source holds no block 99
+    grant = grant_for("r", range(100))
     dest = [memoryview(bytearray(PAGE_BYTES)) for _ in range(2 * LAYERS)]
     with pytest.raises(TransferFailed, match="block 99 is not held here") as info:
-        client.fetch(*server.address, "r", [1, 99], dest, 5.0)
+        client.fetch(*server.address, "r", [1, 99], dest, 5.0, grant)
     assert info.value.remote
-    result, sink = _fetch(client, server, [1])  # same pooled connection still in step
+    (pooled,) = client._idle[server.address]
+    sink = BytePages()
+    client.fetch(*server.address, "r", [1], sink.pages([1]), 5.0, grant)
+    assert client._idle[server.address] == [pooled]  # same pooled connection, still in step
     assert _same(source, sink, [1])
 
 
@@ -146,11 +163,14 @@ def test_unleased_request_or_blocks_are_refused_when_leases_are_given(serve, cli
     leases = LeaseTable()
     leases.grant("held", [3, 7], now_s=0.0, lease_s=60.0)
     server = serve(leases=leases)
-    with pytest.raises(TransferFailed, match="'other' holds no KV lease"):
-        _fetch(client, server, [3], request_id="other")
+    host, port = server.address
+    sink = BytePages()
+    with pytest.raises(TransferFailed, match="'other' holds no KV lease"):  # a valid grant, but no lease
+        client.fetch(host, port, "other", [3], sink.pages([3]), 5.0, grant_for("other", [3]))
+    held = grant_for("held", [3, 7])
     with pytest.raises(TransferFailed, match=r"blocks \[3, 1\] are not all leased to request 'held'"):
-        _fetch(client, server, [3, 1], request_id="held")
-    _, sink = _fetch(client, server, [7, 3], request_id="held")
+        client.fetch(host, port, "held", [3, 1], sink.pages([3, 1]), 5.0, held)
+    client.fetch(host, port, "held", [7, 3], sink.pages([7, 3]), 5.0, held)
     assert _same(source, sink, [7, 3])
 
 
@@ -194,12 +214,13 @@ def test_stats_round_trip(serve, client):
 
 def test_restarted_server_is_reached_through_a_stale_pooled_connection(source, client):
     backend = get_backend("tcp")
-    first = backend.server("127.0.0.1", 0, source, lambda r: None, lambda: {})
+    first = lending_server(source)
     first.start()
     port = first.address[1]
     _fetch(client, first, [1])
     first.stop()  # the pooled connection is now dead
-    second = backend.server("127.0.0.1", port, source, lambda r: None, lambda: {})
+    second = backend.server("127.0.0.1", port, source, lambda r: None, lambda: {},
+                            leases=EveryBlockLeased(BLOCKS), grant_key=engine_grants())
     second.start()
     try:
         _, sink = _fetch(client, second, [4])
@@ -327,34 +348,58 @@ class CountedPages(BytePages):
 
 def test_a_read_naming_a_block_twice_or_more_blocks_than_exist_is_refused(client):
     source = CountedPages(seed=3)
-    server = get_backend("tcp").server("127.0.0.1", 0, source, on_release=lambda rid: None,
-                                       on_stats=lambda: {})
+    server = lending_server(source)
     server.start()
     try:
         with pytest.raises(TransferFailed, match="more than once"):
             _fetch(client, server, [1, 2, 1], sink=BytePages())
         host, port = server.address
         many = list(range(BLOCKS + 4))
-        with pytest.raises(TransferFailed, match="names 20 blocks; this engine has 16"):
+        # Refused from the header, before the request id and block ids are read: a framing
+        # error, answered with an ERROR of no request id (the client reports the mismatch), then closed.
+        with pytest.raises(TransferFailed):
             client.fetch(host, port, "req-1", many, [memoryview(bytearray(PAGE_BYTES))] * (LAYERS * len(many)), 5.0)
+        with socket.create_connection((host, port), timeout=5) as sock:
+            sock.sendall(wire.encode_read_blocks("req-1", many, grant_for("req-1", many)))
+            reply = sock.recv(65536)
+        assert wire.decode_header(reply[:wire.HEADER_SIZE], 1 << 16).type == wire.MessageType.ERROR
+        assert b"names 20 blocks; this engine has 16" in reply
         assert _fetch(client, server, [0, 1])[0]  # still serving
     finally:
         server.stop()
 
 
-def test_connections_past_the_cap_are_refused_and_served_again_once_one_closes(serve, source, client):
+def test_busy_connections_past_the_cap_are_refused_and_served_again_once_one_closes(serve, source, client):
     server = serve()
     server.max_connections = 2
     held = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
+    for sock in held:  # mid-message (half a header): busy, so not closed to make room
+        sock.sendall(wire.encode_read_blocks("r", [1])[:10])
     time.sleep(0.3)  # both accepted and served by their threads
     with socket.create_connection(server.address, timeout=5) as extra:
         reply = extra.recv(4096)
         assert b"server busy" in reply and extra.recv(4096) == b""  # error, then closed
-    assert server.refused_connections == 1
+    assert (server.refused_connections, server.evicted_connections) == (1, 0)
     held.pop().close()
     time.sleep(0.3)
     result, sink = _fetch(client, server, [3])
     assert _same(source, sink, [3])
+    for sock in held:
+        sock.close()
+
+
+def test_at_the_cap_the_longest_idle_connection_is_closed_to_make_room(serve, source, client):
+    server = serve()
+    server.max_connections = 2
+    held = []
+    for _ in range(2):
+        held.append(socket.create_connection(server.address, timeout=5))
+        time.sleep(0.1)  # accepted, and idle, in this order
+    result, sink = _fetch(client, server, [3])
+    assert _same(source, sink, [3])
+    assert held[0].recv(1) == b""  # the oldest idle one was closed
+    assert (server.evicted_connections, server.refused_connections) == (1, 0)
+    assert server.counters()["server_evicted_connections_total"] == 1
     for sock in held:
         sock.close()
 
