@@ -84,6 +84,13 @@ class GrantKey:
         return None
 
 
+def live_deadline(payload: bytes, now_ms: int) -> bool:
+    """Whether `payload` could be a live grant: the right length and a deadline still ahead.
+    Not a check of who signed it (that needs the lease's blocks): a cheap first filter, so a
+    read without even that is refused before it may wait for a lease."""
+    return len(payload) == PAYLOAD_BYTES and _DEADLINE.unpack(payload[GRANT_BYTES:])[0] > now_ms
+
+
 class EngineGrants:
     """One serving engine's check of the grants presented to it: the key plus the identity the
     engine signs with, so a grant minted by another engine never opens this one."""

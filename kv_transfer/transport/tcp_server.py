@@ -247,6 +247,9 @@ class TcpTransferServer(TransferServer):
             return f"read of {request_id!r} refused: this engine lends no KV"
         if len(set(block_ids)) != len(block_ids):
             return f"read of {request_id!r} names a block more than once"
+        if not grants.live_deadline(grant, int(time.time() * 1000)):
+            self.refused_requests += 1  # before any wait for the lease: nothing to wait for
+            return f"read of {request_id!r} refused: no live lease grant with the request"
         lease = self.leases.get(request_id)
         if lease is None:
             self.refused_requests += 1

@@ -188,6 +188,48 @@ def test_idle_sockets_at_the_connection_cap_do_not_lock_out_pulls_releases_or_st
             sock.close()
 
 
+@pytest.mark.parametrize("forged_grant", [b"", b"\x00" * PAYLOAD_BYTES, "plausible"],
+                         ids=["no-grant", "expired-garbage", "right-length-future-deadline"])
+def test_reads_for_ids_nobody_leased_cannot_hold_every_connection(make_side, client, forged_grant):
+    """Reads waiting for a lease are busy connections, which the cap cannot evict: clients
+    with no valid grant looping such reads must not fill the server. A read without even a
+    plausible grant is refused before any wait; plausible-looking ones wait, but only a few
+    at once."""
+    prefill = make_side("prefill-0", seed=3, max_connections=16)
+    grant(prefill, "p-1", (1, 2, 3))
+    stop = threading.Event()
+
+    def flood(i: int) -> None:
+        flooder = get_backend("tcp").client()
+        n = 0
+        try:
+            while not stop.is_set():
+                n += 1
+                request_id = f"ghost-{i}-{n}"
+                payload = grant_for(request_id, (0,), engine_id="nobody", secret=OTHER_SECRET) \
+                    if forged_grant == "plausible" else forged_grant
+                try:
+                    read(flooder, prefill, request_id, (0,), payload, timeout_s=LEASE_WAIT_S + 2)
+                except TransferFailed:
+                    pass
+        finally:
+            flooder.close()
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # the flood is at its height
+        for _ in range(5):
+            assert client.stats(HOST, prefill.port, 2.0)["leases_outstanding"] == 1
+        sink = read(client, prefill, "p-1", (1, 2, 3), grant_of(prefill, "p-1", (1, 2, 3)), timeout_s=5.0)
+        assert same_blocks(prefill, sink, (1, 2, 3))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(LEASE_WAIT_S + 5)
+
+
 # -- 5. block counts are bounded before the ids are read ----------------------------------------
 
 
