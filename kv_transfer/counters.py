@@ -22,6 +22,9 @@ class _Counts:
     leases_released_total: int = 0
     leases_expired_total: int = 0
     releases_failed_total: int = 0
+    # Pulls and releases failed at once, unattempted, because their peer was unreachable
+    # moments ago (kv_transfer.peer_health); also counted in pulls_failed / releases_failed.
+    peer_down_skips_total: int = 0
 
 
 class TransferCounters:
@@ -43,11 +46,12 @@ class TransferCounters:
             self._c.bytes_loaded_total += nbytes
             self._c.pull_seconds_total += seconds
 
-    def pull_failed(self, fallback: bool) -> None:
+    def pull_failed(self, fallback: bool, skipped: bool = False) -> None:
         with self._lock:
             self._c.pulls_failed_total += 1
             self._c.pulls_in_flight -= 1
             self._c.fallbacks_total += int(fallback)
+            self._c.peer_down_skips_total += int(skipped)
 
     def lease_granted(self, blocks: int) -> None:
         with self._lock:
@@ -62,9 +66,10 @@ class TransferCounters:
         with self._lock:
             self._c.leases_expired_total += 1
 
-    def release_failed(self) -> None:
+    def release_failed(self, skipped: bool = False) -> None:
         with self._lock:
             self._c.releases_failed_total += 1
+            self._c.peer_down_skips_total += int(skipped)
 
     def snapshot(self) -> dict:
         with self._lock:

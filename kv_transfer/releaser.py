@@ -4,36 +4,56 @@ The scheduler decides that a prefill's lease is no longer needed (a decode reque
 before it pulled) at a moment when no engine step may follow, so the worker cannot carry the
 release. Releases are control messages of our TCP protocol, which every backend's server
 speaks (Mooncake moves only the data), so the plain TCP client serves all of them.
+
+The worker sends its releases through one of these too, on threads of their own, so that a
+release to a dead prefill node never holds a thread that a pull is waiting for. A peer that
+was unreachable is not tried again for a while (`peer_health`): a dead node costs one timeout.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from kv_transfer.params import TransferParams
+from kv_transfer.peer_health import PeerDown, PeerHealth, guarded
+from kv_transfer.transport.base import TransferClient
 from kv_transfer.transport.tcp_client import TcpTransferClient
 
 logger = logging.getLogger(__name__)
 
 
 class BackgroundReleaser:
-    def __init__(self, timeout_s: float):
+    """`client`: a client to share (not closed here); `peers`: the back-off record to share
+    with the caller's pulls; `on_failure(exc)`: called for each release that failed or was skipped
+    (PeerDown)."""
+
+    def __init__(self, timeout_s: float, *, client: TransferClient | None = None, peers: PeerHealth | None = None,
+                 on_failure: Callable[[Exception], None] | None = None, threads: int = 1):
         self._timeout_s = timeout_s
-        self._client = TcpTransferClient()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-release")
+        self._owns_client = client is None
+        self._client = client if client is not None else TcpTransferClient()
+        self._peers = peers if peers is not None else PeerHealth(probe_s=timeout_s)
+        self._on_failure = on_failure
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-release")
 
     def submit(self, params: TransferParams) -> None:
         self._pool.submit(self._release, params)
 
     def _release(self, params: TransferParams) -> None:
         try:
-            self._client.release(params.remote_host, params.remote_port, params.remote_request_id, self._timeout_s,
-                                 params.remote_block_ids, params.grant_bytes())
+            with guarded(self._peers, params.remote_host, params.remote_port):
+                self._client.release(params.remote_host, params.remote_port, params.remote_request_id,
+                                     self._timeout_s, params.remote_block_ids, params.grant_bytes())
         except Exception as exc:  # the prefill side's lease deadline frees the blocks anyway
-            logger.warning("kv transfer: release of %s on %s:%s failed: %s", params.remote_request_id,
-                           params.remote_host, params.remote_port, exc)
+            if self._on_failure is not None:
+                self._on_failure(exc)
+            log = logger.debug if isinstance(exc, PeerDown) else logger.warning  # PeerDown: logged once, at the failure
+            log("kv transfer: release of %s on %s:%s failed: %s", params.remote_request_id,
+                params.remote_host, params.remote_port, exc)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+        if self._owns_client:
+            self._client.close()

@@ -36,6 +36,24 @@ class PoolSettings:
     key_prefix: str = "moe"  # namespace: application name, so two apps never share objects
     failure_policy: str = "recompute"  # on a failed pool load: recompute | fail
     retry_after_s: float = 10.0  # after the pool failed, skip it this long before trying again
+    max_pending_stores: int = 64
+    """Stores queued or running in one worker at most. A stored request's blocks stay held until
+    its store is done, so a slow pool would otherwise hold ever more of the engine's KV; a store
+    offered beyond this is dropped at once (its blocks freed, counted in pool_stores_shed_total)."""
+    max_store_wait_s: float = 5.0
+    """A store that waited longer than this for its turn is dropped instead of run: its blocks
+    have been held that long already, and the queue ahead of it says the pool is not keeping up."""
+    weights_id: str = ""
+    """Names the checkpoint's weights in the pool's key space instead of their files' sizes and
+    mtimes (see kv_transfer.pool.keys.Checkpoint): set it (a release tag, a content hash) when
+    each node holds its own copy with other mtimes, so that engines on all nodes share blocks.
+    Change it whenever the weights change, or engines load KV of the old weights."""
+
+    def __post_init__(self) -> None:
+        if self.max_pending_stores < 1:
+            raise ValueError(f"kv pool max_pending_stores must be at least 1, got {self.max_pending_stores}")
+        if not self.max_store_wait_s > 0:
+            raise ValueError(f"kv pool max_store_wait_s must be above 0 s, got {self.max_store_wait_s}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

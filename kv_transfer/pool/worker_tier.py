@@ -58,6 +58,8 @@ class PoolCounts:
     blocks_refused_total: int = 0  # the pool was full (or refused the put)
     bytes_stored_total: int = 0
     store_seconds_total: float = 0.0
+    stores_shed_total: int = 0  # dropped unrun: too many pending, or waited too long (StoreQueue)
+    blocks_shed_total: int = 0
     up: int = 1
 
 
@@ -173,6 +175,11 @@ class PoolWorker:
         self._health.succeeded()
         self._count(stores_total=1, store_seconds_total=time.perf_counter() - started)
         return stored
+
+    def shed(self, blocks: Sequence[PoolBlock]) -> None:
+        """Count a store that was dropped without running (the pool is a cache; the engine's
+        KV is not: see kv_transfer.pool.store_queue)."""
+        self._count(stores_shed_total=1, blocks_shed_total=len(blocks))
 
     def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray) -> int:
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]

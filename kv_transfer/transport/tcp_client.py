@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 
 from kv_transfer import wire
 from kv_transfer.errors import TransferFailed, TransferTimeout, WireError
+from kv_transfer.peer_health import PeerUnreachable
 from kv_transfer.transport.base import FetchResult, TransferClient
 from kv_transfer.transport.sockio import (Deadline, dest_views, read_message_start,
                                           recv_exact, recv_into_pages, send_buffers, tune_socket)
@@ -67,6 +68,11 @@ class TcpTransferClient(TransferClient):
             message = read_message_start(sock, deadline, max(max_payload_bytes, wire.MAX_ERROR_BYTES))
         except ConnectionResetError as exc:
             raise _Stale(str(exc)) from None
+        except (TimeoutError, TransferTimeout):
+            # Not one byte of a reply before the deadline: the node is gone or blackholed (a
+            # live server answers at once, if only with an ERROR). Pulls then skip it a while.
+            raise NoReply(f"no reply to {request_id!r} within {deadline.timeout_s} s",
+                          deadline.timeout_s) from None
         if message is None:
             raise _Stale("connection closed before the reply")
         header, reply_id, _ = message
@@ -134,10 +140,10 @@ class TcpTransferClient(TransferClient):
         try:
             sock = socket.create_connection(peer, timeout=deadline.remaining_s())
         except TimeoutError:
-            raise TransferTimeout(f"connecting to {peer[0]}:{peer[1]} timed out",
-                                  deadline.timeout_s) from None
-        except OSError as exc:
-            raise TransferFailed(f"cannot connect to {peer[0]}:{peer[1]}: {exc}") from None
+            raise ConnectTimeout(f"connecting to {peer[0]}:{peer[1]} timed out",
+                                 deadline.timeout_s) from None
+        except OSError as exc:  # refused, no route: instant, or seconds for an unreachable host
+            raise ConnectFailed(f"cannot connect to {peer[0]}:{peer[1]}: {exc}") from None
         tune_socket(sock)
         return sock, False
 
@@ -148,6 +154,18 @@ class TcpTransferClient(TransferClient):
                 idle.append(sock)
                 return
         sock.close()
+
+
+class ConnectTimeout(TransferTimeout, PeerUnreachable):
+    """The connection was not established within the deadline."""
+
+
+class ConnectFailed(TransferFailed, PeerUnreachable):
+    """The connection could not be made (refused, no route to the host)."""
+
+
+class NoReply(TransferTimeout, PeerUnreachable):
+    """Connected, request sent, and not one byte of reply before the deadline."""
 
 
 class _Stale(Exception):
