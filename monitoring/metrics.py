@@ -95,6 +95,11 @@ ROUTING_PROMPT_BLOCKS = MetricDef("moe_serve_routing_prompt_blocks_total", Kind.
 SLO_MET = MetricDef("moe_serve_requests_within_slo_total", Kind.counter,
                     "Successful requests whose TTFT and mean inter-token latency met the manifest's SLO "
                     "(goodput).", ("route",))
+INGRESS_ADMITTED = MetricDef("moe_serve_ingress_admitted_requests", Kind.gauge,
+                             "Requests holding an admission place of an ingress replica (generation, /tokenize, "
+                             "/detokenize; admitted and not yet ended), by replica (its process id). It returns "
+                             "to 0 when the replica is idle: a value that stays up without traffic is a leaked "
+                             "place, and every leaked place is one request fewer admitted.", ("replica",))
 
 ENGINE_IN_FLIGHT = MetricDef("moe_serve_engine_requests_in_flight", Kind.gauge,
                              "Requests an engine replica (or group rank) is serving now.", ("pool", "rank"))
@@ -164,7 +169,7 @@ AUTOSCALER_LAST_DECISION = MetricDef("moe_serve_autoscaler_last_decision_timesta
 
 CATALOGUE: tuple[MetricDef, ...] = (
     REQUESTS, REQUEST_TIMEOUTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
-    PROMPT_CACHED_TOKENS, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS,
+    PROMPT_CACHED_TOKENS, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS, INGRESS_ADMITTED,
     ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
     KV_POOL_LOOKUP_BLOCKS, KV_POOL_BLOCKS, KV_POOL_BYTES, KV_POOL_SECONDS, KV_POOL_FAILURES, KV_POOL_UP,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,12 @@ class RequestMetrics:
         self._ttft_slo_s = ttft_slo_s
         self._itl_slo_s = itl_slo_s
         self._disaggregated = disaggregated
+
+    def admitted(self, in_flight: int) -> None:
+        """The ingress's admission places now taken; set on every take and release. Labelled by
+        process so that replicas sharing a node stay separate series (Ray keeps one value per
+        label set of a gauge)."""
+        self._exporter.set(m.INGRESS_ADMITTED, in_flight, replica=str(os.getpid()))
 
     def start(self, route: str) -> RequestTrace:
         return RequestTrace(route=route, received=time.monotonic())

@@ -48,23 +48,41 @@ class Detokenize(_Strict):
 
 
 def tokenize(tokenizer: Any, max_model_len: int, body: object) -> dict:
+    """Blocking (the chat template and the tokenizer): the ingress runs it in a thread."""
     if isinstance(body, dict) and "messages" in body:
         chat = parse_request(TokenizeChat, body)
         messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+        _check_text_fits(tokenizer, max_model_len, sum(len(m["content"]) for m in messages), "messages")
         tokens = tokenizer.encode_chat(messages, add_generation_prompt=chat.add_generation_prompt)
     else:
         plain = parse_request(TokenizeCompletion, body)
+        _check_text_fits(tokenizer, max_model_len, len(plain.prompt), "prompt")
         tokens = tokenizer.encode_prompt(plain.prompt, add_special_tokens=plain.add_special_tokens)
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
 
 
-def detokenize(tokenizer: Any, body: object) -> dict:
+def detokenize(tokenizer: Any, max_model_len: int, body: object) -> dict:
+    """Blocking (the tokenizer): the ingress runs it in a thread."""
     request = parse_request(Detokenize, body)
+    if len(request.tokens) > max_model_len:  # no sequence this model serves is longer
+        raise bad_request(f"'tokens' has {len(request.tokens)} token ids, more than the model's context length "
+                          f"of {max_model_len} tokens", param="tokens", code="context_length_exceeded")
     bad = [t for t in request.tokens if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
                           param="tokens", code="invalid_value")
     return {"prompt": tokenizer.decode(request.tokens)}
+
+
+def _check_text_fits(tokenizer: Any, max_model_len: int, chars: int, param: str) -> None:
+    """Refuse text that cannot fit the context before tokenizing it, with the bound vLLM puts on
+    prompts of its generation routes: max_model_len tokens of at most max_chars_per_token each."""
+    limit = max_model_len * tokenizer.max_chars_per_token
+    if chars > limit:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, '{param}' "
+                          f"contains {chars} characters (more than {limit} characters, which is the upper bound "
+                          f"for {max_model_len} tokens). Please reduce the length of the input.", param=param,
+                          code="context_length_exceeded")
 
 
 def parse_request(model: type[BaseModel], body: object) -> BaseModel:

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,9 +28,10 @@ from deployments.frontend import responses
 from deployments.frontend.render import ChoiceOutput
 from deployments.frontend.responses import ResponseContext
 from deployments.records import EngineFailure, EngineRequest
-from deployments.routing.admission import AdmissionGate, AdmissionLimits
+from deployments.routing.admission import AdmissionGate, AdmissionLimits, Slot
 from deployments.routing.router_registry import router_for
 from deployments.stream_deadlines import RequestTimeouts, bounded
+from deployments.frontend.stream_merge import ended_then
 from deployments.frontend.stream_merge import merged as _merged
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class OpenAIIngress:
                                        disaggregated=prefill is not None)
         self._exporter = metrics
         self._gate = AdmissionGate(AdmissionLimits(**admission)) if admission else None
+        if self._gate is not None:
+            self._metrics.admitted(0)
         self._priority_header = priority_header
         self._routes = {
             ("GET", "/v1/models"): self._models,
@@ -125,7 +129,7 @@ class OpenAIIngress:
         except APIError as exc:
             if trace is not None:
                 self._metrics.failed(trace, outcome_of(exc), getattr(exc, "wait", None))
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            return JSONBody(exc.body(), status_code=exc.status, headers=exc.headers)
         except asyncio.CancelledError:
             if trace is not None:
                 self._metrics.failed(trace, "cancelled")
@@ -134,32 +138,48 @@ class OpenAIIngress:
             logger.exception("unhandled error on %s %s", request.method, path)
             if trace is not None:
                 self._metrics.failed(trace, "server_error")
-            return JSONResponse(server_error("internal error").body(), status_code=500)
+            return JSONBody(server_error("internal error").body(), status_code=500)
 
     # -- routes -------------------------------------------------------------------------------
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONBody({"object": "list", "data": [self._model_card()]})
 
     async def _model(self, request: Request) -> Response:
         self._check_model(request.url.path.rstrip("/").rsplit("/v1/models/", 1)[1])
-        return JSONResponse(self._model_card())
+        return JSONBody(self._model_card())
 
     def _model_card(self) -> dict:
         return info.model_card(self._model_name, self._created, self._max_model_len)
 
     async def _version(self, request: Request) -> Response:
-        return JSONResponse(info.versions())
+        return JSONBody(info.versions())
 
     async def _tokenize(self, request: Request) -> Response:
-        body = await self._json_body(request)
-        self._check_model_if_named(body)
-        return JSONResponse(info.tokenize(self._tokenizer, self._max_model_len, body))
+        return await self._tokenizer_route(request, info.tokenize)
 
     async def _detokenize(self, request: Request) -> Response:
-        body = await self._json_body(request)
-        self._check_model_if_named(body)
-        return JSONResponse(info.detokenize(self._tokenizer, body))
+        return await self._tokenizer_route(request, info.detokenize)
+
+    async def _tokenizer_route(self, request: Request, route: Any) -> Response:
+        """/tokenize and /detokenize take an admission place like generation (a flood of them
+        gets 429s too), and tokenize in a thread so the loop keeps serving streams meanwhile."""
+        slot = self._admit(self._priority(request))
+        try:
+            body = await self._json_body(request)
+            self._check_model_if_named(body)
+            work = asyncio.ensure_future(asyncio.to_thread(route, self._tokenizer, self._max_model_len, body))
+        except BaseException:
+            self._give_back(slot)
+            raise
+        # A thread cannot be stopped: its place stays taken until it ends, even if the client left.
+        work.add_done_callback(functools.partial(self._tokenizer_work_ended, slot))
+        return JSONBody(await asyncio.shield(work))
+
+    def _tokenizer_work_ended(self, slot: Slot | None, work: asyncio.Future) -> None:
+        self._give_back(slot)
+        if not work.cancelled():
+            work.exception()  # retrieved: a client who left would otherwise leave it to asyncio's log
 
     def _check_model_if_named(self, body: object) -> None:
         if isinstance(body, dict) and isinstance(body.get("model"), str):
@@ -169,8 +189,11 @@ class OpenAIIngress:
         try:
             await self._engine.health(HEALTH_TIMEOUT_S)
         except Exception as exc:
-            return JSONResponse({"status": "unhealthy", "reason": f"{type(exc).__name__}: {exc}"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            # /health needs no API key: the cause (exception text, replicas, hosts) goes to the log only.
+            logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
+            reason = "timeout" if isinstance(exc, TimeoutError) else "engine pool unhealthy"
+            return JSONBody({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONBody({"status": "ok"})
 
     async def _completions(self, request: Request, trace: Any) -> Response:
         return await self._generate(request, trace, chat=False)
@@ -182,21 +205,36 @@ class OpenAIIngress:
 
 
     async def _json_body(self, request: Request) -> object:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self._max_request_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
-                                f"{self._max_request_bytes} bytes", code="body_too_large")
-        raw = await request.body()
-        if len(raw) > self._max_request_bytes:
-            raise APIError(413, f"request body exceeds the limit of {self._max_request_bytes} bytes",
-                           code="body_too_large")
+        raw = await self._body_bytes(request)
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of more than
             # 4300 digits; JSON nested thousands deep exhausts the parser's recursion.
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
             raise bad_request(f"request body is not valid JSON: {reason}", code="invalid_json") from None
+        # Before anything reads the body: a lone surrogate in any string (the model's name, a field's
+        # name, the text) is not Unicode text, and the tokenizer's own error would not say so.
+        if _may_hold_lone_surrogate(raw) and _has_lone_surrogate(body):
+            raise bad_request("the request contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                              "valid Unicode text", code="invalid_text")
+        return body
+
+    async def _body_bytes(self, request: Request) -> bytes:
+        """The body, refused with a 413 as soon as it passes the limit: a body without a
+        Content-Length (chunked) is counted while it arrives, never buffered whole first."""
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self._max_request_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
+                                f"{self._max_request_bytes} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_request_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self._max_request_bytes} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:
         if model != self._model_name:
@@ -212,16 +250,36 @@ class OpenAIIngress:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object", code="invalid_body")
         self._check_model_if_named(body)
-        try:
-            rendered = await self._front.render(chat, body)
-        except APIError:
-            if _has_lone_surrogate(body):  # the tokenizer's own error would not say what is wrong
-                raise bad_request("the request's text contains a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                                  "which is not valid Unicode text", code="invalid_text") from None
-            raise
+        _check_types_vllm_assumes(chat, body)
+        rendered = await self._front.render(chat, body)
         ctx = ResponseContext(rendered, self._model_name)
-        self._admit(self._priority(request))
+        slot = self._admit(self._priority(request))
+        try:
+            return await self._respond(ctx, request, trace, slot)
+        except BaseException:
+            self._give_back(slot)  # the request ended before its response
+            raise
+
+    async def _respond(self, ctx: ResponseContext, request: Request, trace: Any, slot: Slot | None) -> Response:
+        """One admitted request's response; its place is given back when every child stream (n > 1,
+        batch prompts: one engine request each) has ended, not when the first one has."""
+        rendered = ctx.rendered
         trace.dispatch()
+        streams = self._child_streams(rendered, request, trace)
+        if not rendered.stream:
+            try:
+                return await self._collect(ctx, streams, trace)
+            finally:
+                self._give_back(slot)  # _collect returns or raises only once every child stream has ended
+        merged = ended_then(_merged(rendered.children, streams), functools.partial(self._give_back, slot))
+        first = await anext(merged, None)
+        if first is not None and isinstance(first[1], EngineFailure):  # nothing sent yet: an HTTP status
+            await merged.aclose()
+            raise engine_error(first[1])
+        return StreamingResponse(self._sse(ctx, first, merged, trace), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rendered.request_id})
+
+    def _child_streams(self, rendered: Any, request: Request, trace: Any) -> list[AsyncIterator]:
         options = _test_options(request)
         session_id = request.headers.get(SESSION_HEADER)
         many = len(rendered.children) > 1
@@ -231,17 +289,7 @@ class OpenAIIngress:
             engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id)
             # Every wait on the engine is bounded: past one, the stream is aborted and ends in WaitExpired.
             streams.append(bounded(self._engine.stream(engine_request, trace=trace, **options), self._timeouts))
-        if self._gate is not None:  # one admission slot per OpenAI request, however many sequences
-            streams[0] = self._released_when_done(streams[0])
-        if rendered.stream:
-            merged = _merged(rendered.children, streams)
-            first = await anext(merged, None)
-            if first is not None and isinstance(first[1], EngineFailure):  # nothing sent yet: an HTTP status
-                await merged.aclose()
-                raise engine_error(first[1])
-            return StreamingResponse(self._sse(ctx, first, merged, trace), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rendered.request_id})
-        return await self._collect(ctx, streams, trace)
+        return streams
 
     def _count_prefill_decision(self, reason: str) -> None:
         from monitoring import metrics as m
@@ -251,26 +299,26 @@ class OpenAIIngress:
     def _priority(self, request: Request) -> str:
         return request.headers.get(self._priority_header, "normal").strip().lower()
 
-    def _admit(self, priority: str, take: bool = True) -> None:
+    def _admit(self, priority: str, take: bool = True) -> Slot | None:
         """Take a place in the bounded queue (only check for one: `take=False`), or raise 429 at
-        once (never wait for one)."""
+        once (never wait for one). None: no place to give back (no gate, or only a check)."""
         if self._gate is None:
-            return
+            return None
         try:
-            rejection = (self._gate.admit if take else self._gate.check)(time.monotonic(), priority)
+            got = (self._gate.take if take else self._gate.check)(time.monotonic(), priority)
         except ValueError as exc:
             raise bad_request(f"header {self._priority_header}: {exc}", code="invalid_priority") from None
-        if rejection is not None:
-            raise too_many_requests(f"server busy: {rejection.reason}; retry after {rejection.retry_after_s}s",
-                                    rejection.retry_after_s)
+        if isinstance(got, Slot):
+            self._metrics.admitted(self._gate.in_flight)
+            return got
+        if got is not None:
+            raise too_many_requests(f"server busy: {got.reason}; retry after {got.retry_after_s}s", got.retry_after_s)
+        return None
 
-    async def _released_when_done(self, stream: AsyncIterator) -> AsyncIterator:
-        try:
-            async for item in stream:
-                yield item
-        finally:
-            await stream.aclose()
-            self._gate.release(time.monotonic())
+    def _give_back(self, slot: Slot | None) -> None:
+        if slot is not None and slot.held:
+            slot.release(time.monotonic())
+            self._metrics.admitted(self._gate.in_flight)
 
     async def _collect(self, ctx: ResponseContext, streams: list[AsyncIterator], trace: Any) -> Response:
         rendered = ctx.rendered
@@ -298,7 +346,7 @@ class OpenAIIngress:
             raise
         choices = await self._front.full_choices(rendered, outputs)
         timing = self._metrics.succeeded(trace)
-        return JSONResponse(responses.full_response(ctx, choices, [o.token_ids for o in outputs]),
+        return JSONBody(responses.full_response(ctx, choices, [o.token_ids for o in outputs]),
                             headers={"X-Request-Id": rendered.request_id, "Server-Timing": timing})
 
     async def _sse(self, ctx: ResponseContext, first: tuple | None, merged: AsyncIterator,
@@ -359,6 +407,41 @@ INJECT_KV_FAILURE_HEADER = "x-moe-serve-inject-kv-failure"
 def _test_options(request: Request) -> dict:
     """Fault injection for tests: honoured only where the manifest allows it (disaggregated)."""
     return {"inject_transfer_failure": True} if request.headers.get(INJECT_KV_FAILURE_HEADER) == "1" else {}
+
+
+class JSONBody(JSONResponse):
+    """Starlette's JSONResponse, except that a lone surrogate (a client can put one in any string
+    that an answer repeats) is written as a \\u escape instead of failing to encode as UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _check_types_vllm_assumes(chat: bool, body: dict) -> None:
+    """vLLM's request models read these fields in `mode="before"` validators that assume their
+    JSON type, so another type raises TypeError or AttributeError, not a validation error, and
+    would be a 500 (vLLM 0.32: ChatCompletionRequest.check_system_message_content_type iterates
+    `messages`, check_structured_outputs_count calls `structured_outputs.get`)."""
+    if chat and not isinstance(body.get("messages", []), list):
+        raise bad_request("invalid 'messages': must be an array of messages", param="messages", code="invalid_value")
+    if not isinstance(body.get("structured_outputs"), (dict, type(None))):
+        raise bad_request("invalid 'structured_outputs': must be an object", param="structured_outputs",
+                          code="invalid_value")
+
+
+# JSON text carries a lone surrogate only through a \uD800-\uDFFF escape, UTF-8-encoded surrogate
+# bytes (json.loads decodes with surrogatepass), or UTF-16/32 text (which always has NUL bytes).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _may_hold_lone_surrogate(raw: bytes) -> bool:
+    """A fast pre-test (a few ms for 4 MiB) for the exact one below."""
+    return bool(_SURROGATE_ESCAPE.search(raw) or b"\x00" in raw
+                or (not raw.isascii() and _SURROGATE_BYTES.search(raw)))
 
 
 def _has_lone_surrogate(body: object) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.records import EngineFailure
@@ -44,3 +44,16 @@ async def merged(children: list, streams: list[AsyncIterator]) -> AsyncIterator[
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def ended_then(stream: AsyncIterator, on_end: Callable[[], None]) -> AsyncIterator:
+    """`stream`, calling `on_end` once it has ended however it ends: exhausted, failed, closed or
+    cancelled (`merged` ends only after every child stream has)."""
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        try:
+            await stream.aclose()
+        finally:
+            on_end()

@@ -14,6 +14,10 @@ class PromptTokenizer:
     def __init__(self, hf_tokenizer: Any):
         self._tok = hf_tokenizer
         self.vocab_size = len(hf_tokenizer)
+        # The longest token's text: n tokens never cover more than n times this many characters,
+        # the bound vLLM puts on prompt text before it tokenizes (vLLM's tokenizers know it).
+        self.max_chars_per_token: int = (getattr(hf_tokenizer, "max_chars_per_token", None)
+                                         or max(len(token) for token in hf_tokenizer.get_vocab()))
 
     @classmethod
     def from_path(cls, path: str) -> "PromptTokenizer":

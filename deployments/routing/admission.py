@@ -47,6 +47,11 @@ class AdmissionGate:
             self.in_flight += 1
         return rejection
 
+    def take(self, now_s: float, priority: str = "normal") -> "Slot | Rejection":
+        """`admit`, with the place as a Slot to give back (once) when the request ends."""
+        rejection = self.admit(now_s, priority)
+        return Slot(self) if rejection is None else rejection
+
     def check(self, now_s: float, priority: str = "normal") -> Rejection | None:
         """What `admit` would answer now, without taking a place: lets a server refuse before it
         spends anything on the request (reading, parsing, tokenizing), then admit after."""
@@ -76,3 +81,18 @@ class AdmissionGate:
     def _trim(self, now_s: float) -> None:
         while self._completions and now_s - self._completions[0] > self.limits.rate_window_s:
             self._completions.popleft()
+
+
+class Slot:
+    """One admitted request's place in the gate. Given back once: a request's end shows on more
+    than one path (its last stream closing, an error before the response, the client leaving),
+    and a place given back twice would let one request too many in."""
+
+    def __init__(self, gate: AdmissionGate):
+        self._gate = gate
+        self.held = True
+
+    def release(self, now_s: float) -> None:
+        if self.held:
+            self.held = False
+            self._gate.release(now_s)

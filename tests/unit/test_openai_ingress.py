@@ -40,11 +40,17 @@ def test_health_ok(client, engine):
     assert engine.health_timeouts == [HEALTH_TIMEOUT_S]
 
 
-def test_health_503_when_the_engine_is_unhealthy(client, engine):
-    engine.health_error = TimeoutError("engine pool did not answer")
+@pytest.mark.parametrize("error,reason", [
+    (TimeoutError("replica 10.0.0.7:8000 did not answer"), "timeout"),
+    (RuntimeError("ActorDiedError: replica 10.0.0.7:8000 /home/ray/secret"), "engine pool unhealthy"),
+])
+def test_health_503_when_the_engine_is_unhealthy_names_no_internals(client, engine, caplog, error, reason):
+    # /health is open without an API key: the cause goes to the log, the body says only what kind.
+    engine.health_error = error
     response = client.get("/health")
     assert response.status_code == 503
-    assert response.json() == {"status": "unhealthy", "reason": "TimeoutError: engine pool did not answer"}
+    assert response.json() == {"status": "unhealthy", "reason": reason}
+    assert "10.0.0.7" not in response.text and "10.0.0.7" in caplog.text
 
 
 # -- non-streaming --------------------------------------------------------------------------

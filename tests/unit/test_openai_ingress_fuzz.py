@@ -13,7 +13,7 @@ EXAMPLES = 1000
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "stream", "stream_options", "tools",
           "tool_choice", "response_format", "min_tokens", "echo", "suffix", "user", "presence_penalty",
-          "frequency_penalty", "min_p", "ignore_eos", "return_token_ids", "best_of", "bogus"]
+          "frequency_penalty", "min_p", "ignore_eos", "return_token_ids", "best_of", "structured_outputs", "bogus"]
 scalars = (st.none() | st.booleans() | st.integers(min_value=-2 ** 70, max_value=2 ** 70)
            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
@@ -23,7 +23,8 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
 completion_bodies = st.fixed_dictionaries(
     {"model": st.just("m"), "prompt": st.text(max_size=20) | st.lists(st.integers(-5, 10 ** 6), max_size=8)},
     optional={f: json_values for f in FIELDS if f not in ("model", "prompt")})
-chat_bodies = st.fixed_dictionaries({"model": st.just("m"), "messages": messages},
+# `messages` of any JSON type too: vLLM's validators once iterated whatever it was (a 500).
+chat_bodies = st.fixed_dictionaries({"model": st.just("m"), "messages": messages | json_values},
                                     optional={f: json_values for f in FIELDS if f not in ("model", "messages")})
 
 CLIENT, _ = make_client(FakeEngine(script=list(HELLO)), http={"max_request_bytes": 1 << 20})
