@@ -26,12 +26,19 @@ from kv_transfer.counters import TransferCounters
 from kv_transfer.errors import KVTransferError
 from kv_transfer.leases import LeaseTable
 from kv_transfer.params import LoadTiming
+from kv_transfer.peer_health import PeerDown, PeerHealth, guarded
+from kv_transfer.pool.store import PoolSettings
+from kv_transfer.pool.store_queue import StoreQueue
+from kv_transfer.releaser import BackgroundReleaser
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.transport import get_backend
 
 logger = logging.getLogger(__name__)
 
 _REMEMBER_DONE = 10_000  # ids of released/expired leases kept to recognise duplicate releases
+# How long a read waits for its lease to reach this worker (one engine step after the prefill
+# finished, usually milliseconds; a busy CPU engine's step can take a second).
+LEASE_WAIT_S = 3.0
 
 
 class InjectedFailure(KVTransferError):
@@ -45,19 +52,19 @@ class LeaseExpired(KVTransferError):
 class _ReadGuard:
     """What the transport server asks before serving a read (the LeaseTable interface it uses).
 
-    A read may legitimately arrive before this worker hears of the lease (the grant comes with
-    the prefill engine's next step); the blocks are already pinned by the scheduler then. What
-    must be refused is a read after the lease ended (released or expired): those blocks may
-    already hold another request's KV.
+    A read may legitimately arrive before this worker hears of the lease: the grant comes with
+    the prefill engine's next step, milliseconds after decode got the transfer parameters. The
+    read then waits for the lease, at most `LEASE_WAIT_S`; an id this worker never leases is
+    refused when that wait ends, and one whose lease ended (released or expired) at once, since
+    those blocks may already hold another request's KV. No lease, no read.
     """
 
-    class _Any:
-        @staticmethod
-        def covers(block_ids) -> bool:
-            return True
-
-    def __init__(self, worker: "WorkerSide"):
+    def __init__(self, worker: "WorkerSide", max_waiting: int = 8):
         self._worker = worker
+        # Reads waiting for a lease at once: a connection in that wait is busy, not idle, so the
+        # server cannot close it to make room. Reads for ids nobody leased (a client with no
+        # grant) could otherwise hold every connection; past the bound they are refused at once.
+        self._waiting = threading.BoundedSemaphore(max_waiting)
 
     @contextlib.contextmanager
     def sending(self, request_id: str):
@@ -76,12 +83,25 @@ class _ReadGuard:
 
     def get(self, request_id: str):
         worker = self._worker
-        lease = worker._leases.get(request_id)
-        if lease is not None:
-            return lease
         with worker._lock:
-            ended = request_id in worker._recently_done
-        return None if ended else self._Any()
+            lease = worker._leases.get(request_id)
+            if lease is not None or request_id in worker._recently_done:
+                return lease
+        if not self._waiting.acquire(blocking=False):
+            return None
+        try:
+            deadline_s = time.monotonic() + LEASE_WAIT_S
+            with worker._lease_known:
+                while True:
+                    lease = worker._leases.get(request_id)
+                    if lease is not None or request_id in worker._recently_done:
+                        return lease
+                    left_s = deadline_s - time.monotonic()
+                    if left_s <= 0:
+                        return None
+                    worker._lease_known.wait(left_s)
+        finally:
+            self._waiting.release()
 
 
 class WorkerSide:
@@ -89,13 +109,18 @@ class WorkerSide:
         """`pool`: a PoolWorker when the engine uses a KV pool."""
         self._settings = settings
         self._pool = pool
-        self._stores = ThreadPoolExecutor(1, thread_name_prefix="kv-pool-store") if pool is not None else None
+        pool_settings = PoolSettings.from_dict(settings.pool) or PoolSettings()
+        # Bounded, and shed under pressure (pool/store_queue.py): a slow pool must not hold the engine's KV.
+        self._stores = (StoreQueue(self._store, lambda job: self._store(job, shed=True),
+                                   pool_settings.max_pending_stores, pool_settings.max_store_wait_s)
+                        if pool is not None else None)
         self._stores_pending: set[str] = set()
         self._sends_in_flight: dict[str, int] = {}  # request id -> pages being sent now (server threads)
         self._backend = get_backend(settings.backend)
         self._leases = LeaseTable()
         self._counters = TransferCounters()
         self._lock = threading.Lock()
+        self._lease_known = threading.Condition(self._lock)  # notified when a lease is granted
         # RELEASE can arrive before this worker hears of the lease (decode is fast; the grant
         # comes with the prefill engine's next step), or twice; remember both kinds briefly.
         self._released_early: dict[str, float] = {}
@@ -106,6 +131,13 @@ class WorkerSide:
         self._load_times: dict[str, LoadTiming] = {}  # finished loads, until the next step reports them
         self._pulls = ThreadPoolExecutor(settings.max_concurrent_pulls, thread_name_prefix="kv-pull")
         self._client = self._backend.client_cls()
+        # A peer found unreachable fails pulls and releases at once for a while (peer_health.py), and
+        # releases have threads of their own (two: one may wait out a dead peer's first timeout):
+        # a dead prefill node costs one timeout, and pulls from healthy ones never queue behind it.
+        self._peers = PeerHealth(probe_s=settings.transfer_timeout_s)
+        self._releaser = BackgroundReleaser(
+            settings.transfer_timeout_s, client=self._client, peers=self._peers, threads=2,
+            on_failure=lambda exc: self._counters.release_failed(skipped=isinstance(exc, PeerDown)))
         self._server = None
         self._pages = None
 
@@ -118,7 +150,10 @@ class WorkerSide:
         self._client.register_sink(pages)  # backends that register memory do it once, here
         self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
                                             on_release=self._on_release, on_stats=self.stats,
-                                            leases=_ReadGuard(self), grant_key=self._settings.grant_key())
+                                            leases=_ReadGuard(self),
+                                            # Only an engine that lends KV answers reads and releases.
+                                            grant_key=self._settings.engine_grants() if self._settings.lends_kv else None,
+                                            max_connections=self._settings.max_connections)
         self._server.start()
         logger.info("kv transfer: serving %d layers x %d blocks (%d B pages; %s) on %s:%s via %s",
                     pages.num_layers, pages.num_blocks, pages.page_bytes,
@@ -136,11 +171,11 @@ class WorkerSide:
         for store in plan.pool_stores:
             with self._lock:
                 self._stores_pending.add(store.request_id)
-            self._stores.submit(self._store, store)
+            self._stores.submit(store)  # or, with too many pending, shed now: self._store(store, shed=True)
         for job in plan.pulls:
             self._pulls.submit(self._pull, job)
         for params in plan.releases:
-            self._pulls.submit(self._release_remote, params)
+            self._release_remote(params)  # on the releaser's threads, never behind pulls
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -175,8 +210,9 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any]:
         pool = self._pool.snapshot() if self._pool is not None else {}
+        server = self._server.counters() if hasattr(self._server, "counters") else {}
         return {**self._counters.snapshot(), "leases_outstanding": self._leases.outstanding(),
-                "leased_blocks": self._leases.outstanding_blocks(), **pool}
+                "leased_blocks": self._leases.outstanding_blocks(), **server, **pool}
 
     def shutdown(self) -> None:
         if self._stores is not None:
@@ -184,6 +220,7 @@ class WorkerSide:
         if self._server is not None:
             self._server.stop()
         self._pulls.shutdown(wait=False, cancel_futures=True)
+        self._releaser.shutdown()
         self._client.close()
 
     # -- internals --------------------------------------------------------------------------------
@@ -200,6 +237,7 @@ class WorkerSide:
                 self._remember_done(grant.request_id)
             else:
                 self._leases.grant(grant.request_id, grant.block_ids, now_s, grant.lease_s)
+                self._lease_known.notify_all()  # reads waiting for this lease
         if early:
             self._counters.lease_released()
 
@@ -220,10 +258,15 @@ class WorkerSide:
         while len(self._recently_done) > _REMEMBER_DONE:
             self._recently_done.popitem(last=False)
 
-    def _store(self, job) -> None:
-        """Store thread: write a finished request's blocks to the pool, then let them go."""
+    def _store(self, job, shed: bool = False) -> None:
+        """Store thread: write a finished request's blocks to the pool, then let them go.
+        `shed`: the store queue dropped the job (too many pending, or waited too long): only let
+        them go (from the engine's thread when the queue was full)."""
         try:
-            self._pool.store(job.blocks)
+            if shed:
+                self._pool.shed(job.blocks)
+            else:
+                self._pool.store(job.blocks)
         except Exception as exc:  # never lose the blocks' release over a pool bug
             logger.warning("kv pool: store for %s failed: %s", job.request_id, exc)
         finally:
@@ -276,14 +319,16 @@ class WorkerSide:
                 # monotonic clock from the lease time the prefill sent (kv_transfer/params.py).
                 raise LeaseExpired(f"lease of {params.remote_request_id} ends before a pull could finish")
             dest = self._pages.pages(list(job.local_block_ids))
-            result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
-                                        list(job.remote_block_ids), dest, self._settings.transfer_timeout_s,
-                                        params.grant_bytes())
+            with guarded(self._peers, params.remote_host, params.remote_port):  # PeerDown at once while it is down
+                result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
+                                            list(job.remote_block_ids), dest, self._settings.transfer_timeout_s,
+                                            params.grant_bytes())
             self._counters.pull_succeeded(len(job.local_block_ids), result.bytes, time.monotonic() - started)
             failed = False
         except Exception as exc:  # network, timeout, remote error, injected: the policy decides
             failed = True
-            self._counters.pull_failed(fallback=self._settings.failure_policy == "recompute")
+            self._counters.pull_failed(fallback=self._settings.failure_policy == "recompute",
+                                       skipped=isinstance(exc, PeerDown))
             logger.warning("kv transfer: pull for %s failed (%s: %s); policy %s", job.request_id,
                            type(exc).__name__, exc, self._settings.failure_policy)
         with self._lock:
@@ -295,10 +340,6 @@ class WorkerSide:
         self._release_remote(params)
 
     def _release_remote(self, params) -> None:
-        host, port, request_id = params.remote_host, params.remote_port, params.remote_request_id
-        try:
-            self._client.release(host, port, request_id, self._settings.transfer_timeout_s,
-                                 params.remote_block_ids, params.grant_bytes())
-        except Exception as exc:  # the prefill side's lease expiry frees the blocks anyway
-            self._counters.release_failed()
-            logger.warning("kv transfer: release of %s on %s:%s failed: %s", request_id, host, port, exc)
+        """Queue the lease's release (returns at once); a failed one is counted in
+        releases_failed_total, and the prefill side's lease expiry frees the blocks anyway."""
+        self._releaser.submit(params)
