@@ -81,3 +81,13 @@ class KVPoolSpec(_Strict):
     """Port of the master's HTTP metadata server (a free port when unset)."""
     retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     """After a pool call fails, engines serve without the pool this long, then try again."""
+    max_pending_stores: Annotated[int, Field(ge=1, le=100_000)] = 64
+    """Stores an engine may have queued or running; past it a finished request's blocks are
+    freed without being stored (a cache can drop writes; a slow pool must not hold engine KV)."""
+    max_store_wait_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    """A store queued longer than this is dropped when its turn comes."""
+    weights_id: str = ""
+    """A name for the checkpoint's weights in the pool's keys (e.g. a commit or content hash),
+    instead of the weights files' sizes and modification times: set it when engines of one
+    application load separate copies of the same checkpoint (each node its own download),
+    whose times differ, or they will never share pooled KV."""

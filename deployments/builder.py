@@ -124,6 +124,8 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
             "device_name": spec.device_name, "segment_bytes": spec.segment_mib_for(role) << 20,
             "local_buffer_bytes": spec.local_buffer_mib << 20, "key_prefix": manifest.name,
             "failure_policy": manifest.kv_transfer.failure_policy, "retry_after_s": spec.retry_after_s,
+            "max_pending_stores": spec.max_pending_stores, "max_store_wait_s": spec.max_store_wait_s,
+            "weights_id": spec.weights_id,
         }
     return settings
 

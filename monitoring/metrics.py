@@ -133,6 +133,11 @@ KV_LEASES_OUTSTANDING = MetricDef("moe_serve_kv_leases_outstanding", Kind.gauge,
 KV_LEASES_EXPIRED = MetricDef("moe_serve_kv_leases_expired_total", Kind.counter,
                               "Prefill leases freed by their deadline instead of a release (a decode "
                               "never pulled or never confirmed).", ("pool",))
+KV_SERVER_REFUSALS = MetricDef("moe_serve_kv_server_refusals_total", Kind.counter,
+                               "What an engine's KV transfer port turned away, by kind: requests without a "
+                               "valid grant (refused_request), connections refused with every slot busy "
+                               "(refused_connection), idle connections closed to make room "
+                               "(evicted_connection), accept() errors (accept_error).", ("pool", "kind"))
 
 # The cluster-wide KV pool (kv_transfer/pool/), per engine pool that reads or writes it.
 KV_POOL_LOOKUP_BLOCKS = MetricDef("moe_serve_kv_pool_lookup_blocks_total", Kind.counter,
@@ -141,7 +146,8 @@ KV_POOL_LOOKUP_BLOCKS = MetricDef("moe_serve_kv_pool_lookup_blocks_total", Kind.
                                   ("pool", "outcome"))
 KV_POOL_BLOCKS = MetricDef("moe_serve_kv_pool_blocks_total", Kind.counter,
                            "KV blocks moved between engines and the pool, by op (loaded, stored, "
-                           "already_pooled, refused: the pool was full).", ("pool", "op"))
+                           "already_pooled, refused: the pool was full, shed: a store dropped because "
+                           "too many were pending or it waited too long).", ("pool", "op"))
 KV_POOL_BYTES = MetricDef("moe_serve_kv_pool_bytes_total", Kind.counter,
                           "KV cache bytes loaded from and stored to the pool, by op.", ("pool", "op"))
 KV_POOL_SECONDS = MetricDef("moe_serve_kv_pool_seconds_total", Kind.counter,
@@ -172,6 +178,7 @@ CATALOGUE: tuple[MetricDef, ...] = (
     PROMPT_CACHED_TOKENS, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS, INGRESS_ADMITTED,
     ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
+    KV_SERVER_REFUSALS,
     KV_POOL_LOOKUP_BLOCKS, KV_POOL_BLOCKS, KV_POOL_BYTES, KV_POOL_SECONDS, KV_POOL_FAILURES, KV_POOL_UP,
     AUTOSCALER_TARGET, AUTOSCALER_CURRENT, AUTOSCALER_DECISIONS, AUTOSCALER_HOLDING, AUTOSCALER_LAST_DECISION,
 )
