@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,6 +42,9 @@ HEALTH_TIMEOUT_S = 10.0
 # A client's conversation id: requests carrying the same one prefer the same engine replica
 # (session affinity of the prefix routing policy), unless that replica is overloaded.
 SESSION_HEADER = "X-Session-Id"
+# Session ids key the routers' affinity tables (up to 100,000 entries each): a longer header is
+# cut to this many characters, so no client can fill those tables with kilobyte-long keys.
+MAX_SESSION_ID_CHARS = 128
 OPEN_PATHS = {"/health"}  # everything else needs an API key when the manifest configures keys
 GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
                      ("POST", "/v1/chat/completions"): "chat_completions"}
@@ -281,12 +285,17 @@ class OpenAIIngress:
 
     def _child_streams(self, rendered: Any, request: Request, trace: Any) -> list[AsyncIterator]:
         options = _test_options(request)
-        session_id = request.headers.get(SESSION_HEADER)
+        session_id = _session_id(request.headers.get(SESSION_HEADER))
+        # The engines' request ids are ours, unique per request: a client's `request_id` names
+        # the response only. Two clients sending the same one must not share an engine id
+        # (an abort by id on one client's disconnect would end the other's request).
+        engine_id = f"{rendered.request_id}-{secrets.token_hex(4)}"
         many = len(rendered.children) > 1
         streams = []
         for child in rendered.children:
-            request_id = f"{rendered.request_id}-{child.index}" if many else rendered.request_id
-            engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id)
+            request_id = f"{engine_id}-{child.index}" if many else engine_id
+            engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id,
+                                           cache_salt=child.cache_salt)
             # Every wait on the engine is bounded: past one, the stream is aborted and ends in WaitExpired.
             streams.append(bounded(self._engine.stream(engine_request, trace=trace, **options), self._timeouts))
         return streams
@@ -450,3 +459,8 @@ def _has_lone_surrogate(body: object) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def _session_id(header: str | None) -> str | None:
+    """The client's conversation id as the routers key it: at most MAX_SESSION_ID_CHARS."""
+    return header[:MAX_SESSION_ID_CHARS] if header else None

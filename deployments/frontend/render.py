@@ -268,7 +268,9 @@ def _validate(model_cls: type, body: dict) -> Any:
             raise bad_request(f"missing required field '{param}'", param=param, code="missing_field") from None
         raise bad_request(f"invalid '{param}': {error['msg']}" if param else error["msg"], param=param,
                           code="invalid_value") from None
-    except (VLLMClientError, ValueError) as exc:  # vLLM's model validators raise these directly
+    # vLLM's model validators raise these directly; TypeError and AttributeError come from its
+    # `mode="before"` validators reading the client's raw JSON as the type they expect.
+    except (VLLMClientError, ValueError, TypeError, AttributeError) as exc:
         raise _validation_error(exc) from None
 
 

@@ -68,7 +68,8 @@ def test_completion(client, engine):
     prompt = tokenizer().encode_prompt("hey")
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}
     (stream,) = engine.streams
-    assert stream.request.request_id == body["id"]
+    # The engine's id is the response's plus a suffix of ours: unique, whatever id a client sends.
+    assert stream.request.request_id.startswith(body["id"] + "-") and stream.request.request_id != body["id"]
     assert stream.request.prompt_token_ids == prompt
     assert stream.exhausted
 
@@ -269,3 +270,23 @@ def test_a_lone_surrogate_in_a_prompt_is_a_400(client, engine):
     error = assert_error(response, 400, "invalid_text")
     assert "surrogate" in error["message"]
     assert engine.streams == []
+
+
+
+def test_clients_sending_the_same_request_id_never_share_an_engine_request_id():
+    engine = FakeEngine(script=HELLO)
+    with make_client(engine)[0] as client:
+        for _ in range(2):
+            response = client.post("/v1/completions", json={"model": "m", "prompt": "hey", "request_id": "same"})
+            assert response.status_code == 200 and response.json()["id"] == "cmpl-same"
+    first, second = (s.request.request_id for s in engine.streams)
+    assert first != second and first.startswith("cmpl-same-")
+
+
+def test_a_long_session_header_is_cut_before_it_keys_the_routers():
+    from deployments.frontend.openai_ingress import MAX_SESSION_ID_CHARS
+
+    engine = FakeEngine(script=HELLO)
+    with make_client(engine)[0] as client:
+        client.post("/v1/completions", json={"model": "m", "prompt": "hey"}, headers={"X-Session-Id": "s" * 16000})
+    assert engine.streams[0].request.session_id == "s" * MAX_SESSION_ID_CHARS
