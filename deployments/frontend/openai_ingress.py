@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from deployments.errors import (APIError, bad_request, engine_error, not_found, outcome_of, server_error,
                                too_many_requests, unauthorized)
@@ -32,6 +30,7 @@ from deployments.records import EngineFailure, EngineRequest
 from deployments.routing.admission import AdmissionGate, AdmissionLimits, Slot
 from deployments.routing.router_registry import router_for
 from deployments.stream_deadlines import RequestTimeouts, bounded
+from deployments.frontend.http_body import JSONBody, check_types_vllm_assumes, read_json_body
 from deployments.frontend.stream_merge import ended_then
 from deployments.frontend.stream_merge import merged as _merged
 
@@ -209,36 +208,7 @@ class OpenAIIngress:
 
 
     async def _json_body(self, request: Request) -> object:
-        raw = await self._body_bytes(request)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of more than
-            # 4300 digits; JSON nested thousands deep exhausts the parser's recursion.
-            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
-            raise bad_request(f"request body is not valid JSON: {reason}", code="invalid_json") from None
-        # Before anything reads the body: a lone surrogate in any string (the model's name, a field's
-        # name, the text) is not Unicode text, and the tokenizer's own error would not say so.
-        if _may_hold_lone_surrogate(raw) and _has_lone_surrogate(body):
-            raise bad_request("the request contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
-                              "valid Unicode text", code="invalid_text")
-        return body
-
-    async def _body_bytes(self, request: Request) -> bytes:
-        """The body, refused with a 413 as soon as it passes the limit: a body without a
-        Content-Length (chunked) is counted while it arrives, never buffered whole first."""
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self._max_request_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
-                                f"{self._max_request_bytes} bytes", code="body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self._max_request_bytes:
-                raise APIError(413, f"request body exceeds the limit of {self._max_request_bytes} bytes",
-                               code="body_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_json_body(request, self._max_request_bytes)
 
     def _check_model(self, model: str) -> None:
         if model != self._model_name:
@@ -254,7 +224,7 @@ class OpenAIIngress:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object", code="invalid_body")
         self._check_model_if_named(body)
-        _check_types_vllm_assumes(chat, body)
+        check_types_vllm_assumes(chat, body)
         rendered = await self._front.render(chat, body)
         ctx = ResponseContext(rendered, self._model_name)
         slot = self._admit(self._priority(request))
@@ -416,49 +386,6 @@ INJECT_KV_FAILURE_HEADER = "x-moe-serve-inject-kv-failure"
 def _test_options(request: Request) -> dict:
     """Fault injection for tests: honoured only where the manifest allows it (disaggregated)."""
     return {"inject_transfer_failure": True} if request.headers.get(INJECT_KV_FAILURE_HEADER) == "1" else {}
-
-
-class JSONBody(JSONResponse):
-    """Starlette's JSONResponse, except that a lone surrogate (a client can put one in any string
-    that an answer repeats) is written as a \\u escape instead of failing to encode as UTF-8."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-def _check_types_vllm_assumes(chat: bool, body: dict) -> None:
-    """vLLM's request models read these fields in `mode="before"` validators that assume their
-    JSON type, so another type raises TypeError or AttributeError, not a validation error, and
-    would be a 500 (vLLM 0.32: ChatCompletionRequest.check_system_message_content_type iterates
-    `messages`, check_structured_outputs_count calls `structured_outputs.get`)."""
-    if chat and not isinstance(body.get("messages", []), list):
-        raise bad_request("invalid 'messages': must be an array of messages", param="messages", code="invalid_value")
-    if not isinstance(body.get("structured_outputs"), (dict, type(None))):
-        raise bad_request("invalid 'structured_outputs': must be an object", param="structured_outputs",
-                          code="invalid_value")
-
-
-# JSON text carries a lone surrogate only through a \uD800-\uDFFF escape, UTF-8-encoded surrogate
-# bytes (json.loads decodes with surrogatepass), or UTF-16/32 text (which always has NUL bytes).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
-
-
-def _may_hold_lone_surrogate(raw: bytes) -> bool:
-    """A fast pre-test (a few ms for 4 MiB) for the exact one below."""
-    return bool(_SURROGATE_ESCAPE.search(raw) or b"\x00" in raw
-                or (not raw.isascii() and _SURROGATE_BYTES.search(raw)))
-
-
-def _has_lone_surrogate(body: object) -> bool:
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def _session_id(header: str | None) -> str | None:

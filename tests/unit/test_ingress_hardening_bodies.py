@@ -9,7 +9,8 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from deployments.frontend.openai_ingress import JSONBody, OpenAIIngress
+from deployments.frontend.http_body import JSONBody
+from deployments.frontend.openai_ingress import OpenAIIngress
 from tests.unit.ingress_fakes import HELLO, HTTP, MAX_MODEL_LEN, MODEL, FakeEngine, assert_error, front_end, tokenizer
 from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures)
 
