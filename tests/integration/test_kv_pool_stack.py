@@ -376,6 +376,28 @@ def test_hostile_transfer_params_on_a_colocated_pool_with_the_kv_pool_are_refuse
     _hostile_input_is_refused_and_harmless(pool_app, stack)
 
 
+def test_cache_salt_keeps_tenants_cached_blocks_apart(pool_app, stack):
+    """vLLM's cache_salt, through our ingress: a prompt another tenant sent is not reported (or
+    served) as cached to a request with another salt, neither from the engine's prefix cache
+    nor from the KV pool; with the same salt it is. Outputs do not change."""
+    prompt = "Salted prompt of the keeper's log. " + "lorem ipsum dolor " * 40
+
+    def send(salt: str) -> dict:
+        response = httpx.post(f"{pool_app.base_url}/v1/completions", timeout=180, json={
+            "model": stack.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": salt,
+            "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = send("tenant-a")
+    again = send("tenant-a")
+    other = send("tenant-b")
+    cached = [body["usage"].get("prompt_tokens_details", {}) or {} for body in (first, again, other)]
+    assert cached[1].get("cached_tokens", 0) >= BLOCK, cached  # the same tenant hits its own blocks
+    assert cached[2].get("cached_tokens", 0) == 0, cached  # another tenant learns nothing
+    assert first["choices"][0]["token_ids"] == again["choices"][0]["token_ids"] == other["choices"][0]["token_ids"]
+
+
 def test_corrupted_objects_are_never_used_and_the_engine_recomputes(pool_app):
     """Every object of the application in the real pool gets one byte flipped (through a
     Mooncake client of the test's own, keys listed by the master): revisits fail
