@@ -81,7 +81,12 @@ def _has_unknown_field(body: FuzzBody, checkpoint: Checkpoint) -> bool:
 
 def _sets_internal_field(body: FuzzBody, checkpoint: Checkpoint) -> bool:
     fields = _generation_dict(body)
-    return fields is not None and any(name in fields for name in INTERNAL_FIELDS)
+    return fields is not None and any(fields.get(name) is not None for name in INTERNAL_FIELDS)
+
+
+def _asks_beam_search(body: FuzzBody, checkpoint: Checkpoint) -> bool:
+    fields = _generation_dict(body)
+    return fields is not None and fields.get("use_beam_search") not in (None, False)
 
 
 def _asks_prompt_echo(body: FuzzBody, checkpoint: Checkpoint) -> bool:
@@ -131,9 +136,12 @@ def _retrieves_a_model(body: FuzzBody, checkpoint: Checkpoint) -> bool:
 DELIBERATE: tuple[Deliberate, ...] = (
     Deliberate("unknown_field", "unknown top-level fields are a 400 naming them (a misspelt `max_token` must not "
                "be silently ignored); vLLM logs and ignores them", _has_unknown_field),
-    Deliberate("internal_field", "`kv_transfer_params` / `vllm_xargs` in a client's body are refused, even null: "
-               "they steer the KV connector and engine extensions, which only the ingress may set",
-               _sets_internal_field),
+    Deliberate("internal_field", "`kv_transfer_params` / `vllm_xargs` in a client's body are refused (null is "
+               "accepted as not set): they steer the KV connector and engine extensions, which only our servers "
+               "may set", _sets_internal_field),
+    Deliberate("beam_search", "`use_beam_search` is refused by vLLM's render layer, which our ingress runs: "
+               "beam search needs the whole beam in one engine, and each sequence is its own engine request "
+               "here", _asks_beam_search),
     Deliberate("prompt_echo", "`echo` and `prompt_logprobs` may be refused: the engines return output tokens "
                "only, not the prompt's logprobs", _asks_prompt_echo),
     Deliberate("fan_out", f"n x prompts > {MAX_SEQUENCES_PER_REQUEST} is refused: each sequence is its own engine "

@@ -88,10 +88,9 @@ class LLMServer:
                               merge=TokenDelta.then, is_final=lambda d: d.finish_reason is not None)
             async for delta in deltas:
                 finished = delta.finish_reason is not None
-                if delta.finish_reason == "error":  # e.g. KV pull failed under policy "fail"
+                if delta.finish_reason == "error":
                     self._stats.failed_total += 1
-                    yield EngineFailure("the engine ended the request with an error (on a decode replica: "
-                                        "the KV transfer failed under failure_policy=fail)", retriable=True)
+                    yield self._ended_in_error(request)
                     break
                 yield delta
         except Exception as exc:  # engine errors become values so the ingress can answer cleanly
@@ -112,6 +111,17 @@ class LLMServer:
                 # The consumer stopped early (client disconnect): stop the work in the engine.
                 self._stats.aborted_total += 1
                 await asyncio.shield(self._engine.abort(request.request_id))
+
+    def _ended_in_error(self, request: EngineRequest) -> EngineFailure:
+        """The engine ended the request itself with an error. A KV load that failed under
+        failure_policy fail is worth a retry (another prefill, a pool back up); anything else
+        (the grammar backend rejecting every allowed token, say) fails the same way again, and
+        vLLM's server answers it 500."""
+        kv_load = request.pull is not None or (self._kv is not None and self._kv["failure_policy"] == "fail")
+        if kv_load:
+            return EngineFailure("the engine ended the request with an error (a KV load failed under "
+                                 "failure_policy=fail)", retriable=True)
+        return EngineFailure("the engine ended the request with an error", retriable=False)
 
     async def prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
         """Run the prompt only (one token) and keep its KV blocks for a decode replica to pull.

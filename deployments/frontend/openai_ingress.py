@@ -185,7 +185,8 @@ class OpenAIIngress:
             work.exception()  # retrieved: a client who left would otherwise leave it to asyncio's log
 
     def _check_model_if_named(self, body: object) -> None:
-        if isinstance(body, dict) and isinstance(body.get("model"), str):
+        # An empty name asks for the served model, as vLLM's server takes it.
+        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]:
             self._check_model(body["model"])
 
     async def _health(self, request: Request) -> Response:

@@ -226,13 +226,14 @@ class VLLMFrontEnd:
 # Fields of vLLM's request models that steer the engines' internals: kv_transfer_params names
 # KV blocks to pull and leases to keep, vllm_xargs lands in the engine's extra_args (where the
 # KV connector reads its parameters). Only our own servers set them; from a client they are a
-# 400 naming the field (vLLM's own server accepts both: it trusts its clients with them).
+# 400 naming the field (vLLM's own server accepts both: it trusts its clients with them). null
+# means "not set", as in vLLM's models, and is accepted.
 INTERNAL_FIELDS = ("kv_transfer_params", "vllm_xargs")
 
 
 def _reject_internal_fields(body: dict) -> None:
     for name in INTERNAL_FIELDS:
-        if name in body:
+        if body.get(name) is not None:
             raise bad_request(f"field '{name}' is internal to the serving system and may not be set by clients",
                               param=name, code="unsupported_field")
 

@@ -90,3 +90,36 @@ def test_the_engine_server_owns_extra_args_whatever_the_params_arrive_with():
     ours = {"do_remote_decode": True}
     assert to_sampling_params(client_set, ours).extra_args == {"kv_transfer_params": ours}
     assert client_set.extra_args["kv_transfer_params"]["do_remote_decode"] is True  # the caller's copy untouched
+
+
+class _EndsInError(_RefusingEngine):
+    """The engine ends the request itself with finish_reason "error" (as when the grammar
+    backend rejects every token the request allows)."""
+
+    async def generate(self, request):
+        from deployments.records import TokenDelta
+
+        yield TokenDelta("", [], "error", 2, 0)
+
+
+@pytest.mark.parametrize("kv_transfer, pull, retriable", [
+    (None, False, False),  # colocated, no connector: the same request fails the same way again
+    ({"failure_policy": "fail"}, False, True),  # a pool load may have failed under policy fail
+    (None, True, True),  # decode's pull from a prefill failed: another prefill may serve
+], ids=["no-kv-load", "pool-with-fail-policy", "decode-pull"])
+def test_an_engine_ending_a_request_in_error_is_retriable_only_when_a_kv_load_could_be_why(kv_transfer, pull,
+                                                                                            retriable):
+    from kv_transfer.params import TransferParams
+
+    server = LLMServer({"name": "m"}, {"stream_interval_ms": 0}, "/unused",
+                       engine_factory=lambda *a, **k: _EndsInError(), metrics=False)
+    server._kv = kv_transfer
+    params = TransferParams("127.0.0.1", 1, "p", "p-1", (0,), 2, 16, 4e9) if pull else None
+
+    async def run():
+        request = EngineRequest("r-1", [1, 2], SamplingSpec(max_tokens=2), pull=params)
+        return [item async for item in server.generate(request)]
+
+    (item,) = asyncio.run(run())
+    assert isinstance(item, EngineFailure) and item.retriable is retriable
+    assert engine_error(item).status == (503 if retriable else 500)

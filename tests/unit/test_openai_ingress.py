@@ -290,3 +290,10 @@ def test_a_long_session_header_is_cut_before_it_keys_the_routers():
     with make_client(engine)[0] as client:
         client.post("/v1/completions", json={"model": "m", "prompt": "hey"}, headers={"X-Session-Id": "s" * 16000})
     assert engine.streams[0].request.session_id == "s" * MAX_SESSION_ID_CHARS
+
+
+def test_an_empty_model_name_asks_for_the_served_model_as_in_vllm():
+    engine = FakeEngine(script=HELLO)
+    with make_client(engine)[0] as client:
+        assert client.post("/v1/completions", json={"model": "", "prompt": "hey"}).status_code == 200
+        assert client.post("/v1/completions", json={"model": "other", "prompt": "hey"}).status_code == 404

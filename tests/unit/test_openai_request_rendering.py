@@ -124,7 +124,6 @@ def test_one_request_fans_out_to_a_bounded_number_of_sequences():
     ("kv_transfer_params", {"do_remote_prefill": True, "remote_num_tokens": "x"}),
     ("kv_transfer_params", {"do_remote_decode": True, "lease_s": 3600}),
     ("kv_transfer_params", {}),
-    ("kv_transfer_params", None),
     ("vllm_xargs", {"kv_transfer_params": "x"}),
 ])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -132,6 +131,11 @@ def test_internal_fields_from_a_client_are_a_400_naming_them(chat, field, value)
     base = CHAT if chat else {"model": "m", "prompt": "hi"}
     error = rejected(chat, {**base, field: value})
     assert error.param == field and "internal" in error.message
+
+
+def test_internal_fields_set_to_null_mean_not_set():
+    rendered = render(False, {"model": "m", "prompt": "hi", "kv_transfer_params": None, "vllm_xargs": None})
+    assert not (rendered.children[0].sampling.extra_args or {}).get("kv_transfer_params")
 
 
 @pytest.mark.parametrize("extra, param", [
