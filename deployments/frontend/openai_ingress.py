@@ -143,6 +143,11 @@ class OpenAIIngress:
                 self._metrics.failed(trace, "server_error")
             return JSONBody(server_error("internal error").body(), status_code=500)
 
+    def admitted(self) -> int | None:
+        """Requests this replica has admitted and not yet given back (None: no admission
+        control). Called through a Serve handle by benchmarks and tests, not over HTTP."""
+        return self._gate.in_flight if self._gate is not None else None
+
     # -- routes -------------------------------------------------------------------------------
 
     async def _models(self, request: Request) -> Response:
