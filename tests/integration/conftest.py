@@ -4,6 +4,8 @@ the greedy outputs of one plain vLLM engine on the same checkpoint to compare ag
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import subprocess
@@ -275,31 +277,26 @@ def engine_stats(stack):
 VLLM_SERVER_PORT = 8019
 
 
-@pytest.fixture(scope="session")
-def vllm_feature_answers(stack, tmp_path_factory) -> dict[str, dict]:
-    """vLLM's own OpenAI server's answer to every request of openai_features.FEATURES: the
-    server is started on the stack's checkpoint as users run it, asked once, and stopped, so the
-    modules comparing our paths with it share one start and no server idles beside the stack."""
+@contextlib.contextmanager
+def plain_vllm_server(manifest, model_name: str, port: int, log: Path, what: str = "vLLM's OpenAI server"):
+    """vLLM's own OpenAI server on the manifest's checkpoint, as users run it (its engine
+    settings and tool parser), for the comparisons with ours: yields its URL; stopped after."""
     import httpx
 
     from cluster.checkpoints import resolve_model_path
-    from cluster.manifest import load_manifest
-    from tests.integration.openai_features import FEATURES, ask
 
-    manifest = load_manifest(stack.manifest_path)
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(resolve_model_path(manifest.model.path)), "--served-model-name", stack.model,
+               "--model", str(resolve_model_path(manifest.model.path)), "--served-model-name", model_name,
                "--max-model-len", str(manifest.model.max_model_len), "--dtype", manifest.model.dtype,
                "--enforce-eager", "--gpu-memory-utilization", "0.1", "--max-num-seqs", "8",
                "--tool-call-parser", manifest.model.tool_parser, "--enable-auto-tool-choice",
-               "--host", "127.0.0.1", "--port", str(VLLM_SERVER_PORT)]
+               "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     started = time.monotonic()
-    _log("starting vLLM's OpenAI server for the feature comparisons")
+    _log(f"starting {what}")
     with open(log, "w") as out:
         server = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{VLLM_SERVER_PORT}"
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 420
         while True:
@@ -309,14 +306,32 @@ def vllm_feature_answers(stack, tmp_path_factory) -> dict[str, dict]:
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's OpenAI server did not start:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"{what} did not start:\n{log.read_text()[-3000:]}")
             time.sleep(2)
-        answers = {name: ask(url, stack.model, name) for name in FEATURES}
-        _log(f"vLLM's answers to {len(answers)} feature requests in {time.monotonic() - started:.0f}s")
-        return answers
+        _log(f"{what} up in {time.monotonic() - started:.0f}s")
+        yield url
     finally:
         server.terminate()
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_feature_answers(stack, tmp_path_factory) -> dict[str, dict]:
+    """vLLM's own OpenAI server's answer to every request of openai_features.FEATURES: the
+    server is started on the stack's checkpoint as users run it, asked once, and stopped, so the
+    modules comparing our paths with it share one start and no server idles beside the stack."""
+    from cluster.manifest import load_manifest
+    from tests.integration.openai_features import FEATURES, ask
+
+    manifest = load_manifest(stack.manifest_path)
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    started = time.monotonic()
+    with plain_vllm_server(manifest, stack.model, VLLM_SERVER_PORT, log,
+                           "vLLM's OpenAI server for the feature comparisons") as url:
+        answers = {name: ask(url, stack.model, name) for name in FEATURES}
+    _log(f"vLLM's answers to {len(answers)} feature requests in {time.monotonic() - started:.0f}s")
+    return answers

@@ -10,21 +10,18 @@ a fake cannot show. benchmarks/fuzz_vs_vllm.py runs the same with thousands of b
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from benchmarks.fuzz_bodies import GENERATION_ROUTES, generate
 from benchmarks.fuzz_vs_vllm import checkpoint_of, run_bodies, summarize
+from tests.integration.conftest import plain_vllm_server
 
 BODIES = 250
 SEED = 20261207
 PLAIN_SERVER_PORT = 8021  # conftest's feature-comparison server uses 8019
-START_TIMEOUT_S = 420
 
 
 def _log(message: str) -> None:
@@ -33,48 +30,14 @@ def _log(message: str) -> None:
 
 @pytest.fixture(scope="module")
 def plain_vllm(stack, tmp_path_factory):
-    """vLLM's OpenAI server on the stack's checkpoint, as users run it (the command of
-    conftest's `vllm_feature_answers`), for this module only: (url, model path)."""
+    """vLLM's OpenAI server on the stack's checkpoint, for this module only: (url, model path)."""
     from cluster.checkpoints import resolve_model_path
     from cluster.manifest import load_manifest
 
     manifest = load_manifest(stack.manifest_path)
-    model_path = str(resolve_model_path(manifest.model.path))
     log = tmp_path_factory.mktemp("fuzz-vllm-server") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-               "--served-model-name", stack.model, "--max-model-len", str(manifest.model.max_model_len),
-               "--dtype", manifest.model.dtype, "--enforce-eager", "--gpu-memory-utilization", "0.1",
-               "--max-num-seqs", "8", "--tool-call-parser", manifest.model.tool_parser, "--enable-auto-tool-choice",
-               "--host", "127.0.0.1", "--port", str(PLAIN_SERVER_PORT)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    started = time.monotonic()
-    with open(log, "w") as out:
-        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{PLAIN_SERVER_PORT}"
-    try:
-        _wait_healthy(url, server, log)
-        _log(f"vLLM's server up in {time.monotonic() - started:.0f}s")
-        yield url, model_path
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, log) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM's OpenAI server did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(2)
+    with plain_vllm_server(manifest, stack.model, PLAIN_SERVER_PORT, log, "vLLM's server for the fuzz") as url:
+        yield url, str(resolve_model_path(manifest.model.path))
 
 
 def test_every_status_class_difference_from_vllm_is_listed_and_none_is_a_5xx(stack, plain_vllm):
