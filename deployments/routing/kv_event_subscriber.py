@@ -63,6 +63,11 @@ class KVEventSubscriber:
         self._stopping.set()
 
     def snapshot(self, limit: int) -> tuple[int | None, list[int]]:
+        """(block size, the most recent resident blocks); (None, []) once the subscriber has
+        stopped: a mirror that no longer follows the engine must not be reported as its cache
+        (the router then falls back to its own estimate)."""
+        if not self._thread.is_alive() and self._thread.ident is not None:
+            return None, []
         with self._lock:
             return self.mirror.block_size, self.mirror.snapshot(limit)
 
@@ -78,9 +83,9 @@ class KVEventSubscriber:
         live = context.socket(zmq.SUB)
         live.setsockopt(zmq.SUBSCRIBE, b"")
         monitor = live.get_monitor_socket(zmq.EVENT_ACCEPTED)
-        # vLLM's publisher connects to a specific address (it binds only wildcard ones): we bind.
-        live.bind(self._publish)
         try:
+            # vLLM's publisher connects to a specific address (it binds only wildcard ones): we bind.
+            live.bind(self._publish)
             # Replay only once the publisher is connected: whatever it sends from then on
             # arrives live, everything before comes from the replay (seen twice: skipped).
             if not monitor.poll(10_000):
@@ -93,12 +98,19 @@ class KVEventSubscriber:
                     seq = int.from_bytes(seq, "big")
                     if seq > self._last_seq + 1:  # dropped (slow join, high-water mark): fill the gap
                         self._replay_from(context, decoder, self._last_seq + 1)
-                    self._apply(seq, decoder.decode(payload))
+                    try:
+                        batch = decoder.decode(payload)
+                    except (msgspec.DecodeError, ValueError) as exc:  # one bad batch, not the subscriber
+                        logger.warning("kv events: skipping a batch that does not decode (seq %d): %s", seq, exc)
+                        self._last_seq = max(self._last_seq, seq)
+                        continue
+                    self._apply(seq, batch)
                     heard_s = time.monotonic()
                 elif time.monotonic() - heard_s >= QUIET_CATCH_UP_S:
                     self._replay_from(context, decoder, self._last_seq + 1)  # usually: nothing new
                     heard_s = time.monotonic()
         except Exception:  # never take the replica down: routing falls back to its estimate
+            # (snapshot() reports nothing from here on, so the router stops trusting the mirror)
             logger.exception("kv events: subscriber stopped")
         finally:
             live.disable_monitor()

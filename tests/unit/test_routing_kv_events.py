@@ -72,3 +72,34 @@ def test_an_expert_parallel_rank_publishes_on_the_ports_its_subscriber_reserved(
     finally:
         subscriber.stop()
         publisher.shutdown()
+
+
+def test_a_batch_that_does_not_decode_is_skipped_and_a_dead_subscriber_reports_nothing():
+    """A malformed message costs one batch, not the subscriber; and once the subscriber has
+    stopped (here: its port was taken), its frozen mirror is no longer reported as the cache."""
+    import zmq
+
+    publish_port, replay_port = free_port(), free_port()
+    subscriber = KVEventSubscriber(publish_port, replay_port).start()
+    context = zmq.Context.instance()
+    raw = context.socket(zmq.PUB)
+    raw.connect(f"tcp://127.0.0.1:{publish_port}")
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        raw.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"])
+        time.sleep(0.5)
+        assert subscriber._thread.is_alive()
+    finally:
+        raw.close(linger=0)
+        subscriber.stop()
+
+    # A subscriber whose bind fails stops at once: its snapshot says nothing.
+    blocker = context.socket(zmq.PUB)
+    taken = free_port()
+    blocker.bind(f"tcp://127.0.0.1:{taken}")
+    try:
+        dead = KVEventSubscriber(taken, free_port()).start()
+        wait_for(lambda: not dead._thread.is_alive())
+        assert dead.snapshot(100) == (None, [])
+    finally:
+        blocker.close(linger=0)
