@@ -115,7 +115,15 @@ class TcpTransferServer(TransferServer):
             with self._lock:
                 self._conns.add(conn)
                 self._threads.append(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread": refuse this one, keep accepting
+                self.accept_errors += 1
+                log.warning("KV transfer server %s:%s: no thread for a connection (%s)", self.host, self.port, exc)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._threads.remove(thread)
+                self._refuse(conn)
 
     def _make_room(self) -> bool:
         """Below the cap, or at it with an idle connection closed to make room."""

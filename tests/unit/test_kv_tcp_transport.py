@@ -441,3 +441,29 @@ def test_the_accept_loop_survives_accept_errors(serve, source, client, monkeypat
     result, sink = _fetch(client, server, [4], timeout_s=5.0)
     assert _same(source, sink, [4])
     server._listener = server._listener_real
+
+
+def test_the_accept_loop_survives_running_out_of_threads(serve, source, client, monkeypatch):
+    """thread.start() raising ("can't start new thread") refuses that connection only."""
+    import threading as threading_module
+
+    from kv_transfer.transport import tcp_server
+
+    server = serve()
+    failures = {"left": 2}
+    real_start = threading_module.Thread.start
+
+    class FlakyThread(threading_module.Thread):
+        def start(self):
+            if failures["left"]:
+                failures["left"] -= 1
+                raise RuntimeError("can't start new thread")
+            real_start(self)
+
+    monkeypatch.setattr(tcp_server.threading, "Thread", FlakyThread)
+    for _ in range(2):
+        with pytest.raises(TransferFailed):
+            _fetch(client, server, [4], timeout_s=2.0)
+    assert server.accept_errors == 2
+    result, sink = _fetch(client, server, [4], timeout_s=5.0)  # the loop is still accepting
+    assert _same(source, sink, [4])
