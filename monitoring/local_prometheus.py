@@ -38,7 +38,9 @@ class LocalPrometheus:
         self._process = subprocess.Popen(
             [binary, f"--config.file={self._workdir / 'prometheus.yml'}",
              f"--storage.tsdb.path={self._workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--web.enable-lifecycle", "--storage.tsdb.retention.time=1d"],
+             # No --web.enable-lifecycle: nothing here reloads or quits it over HTTP, and with it
+             # any local process could (it is stopped by its process, as it was started).
+             "--storage.tsdb.retention.time=1d"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         api = PrometheusAPI(self.url)
         deadline = time.monotonic() + timeout_s
