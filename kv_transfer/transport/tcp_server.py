@@ -261,7 +261,8 @@ class TcpTransferServer(TransferServer):
         lease = self.leases.get(request_id)
         if lease is None:
             self.refused_requests += 1
-            return f"request {request_id!r} holds no KV lease here (released, expired or never granted)"
+            return (f"read of {request_id!r} refused: request {request_id!r} holds no KV lease here "
+                    "(released, expired or never granted)")
         refused = self._refused(request_id, lease.block_ids, grant)
         if refused:
             self.refused_requests += 1
