@@ -246,6 +246,26 @@ class Record:
     deliberate: str | None
 
 
+async def ask_all(bodies: list[FuzzBody], base_url: str, concurrency: int = 4) -> list[Answer]:
+    """Each body to one server, `concurrency` in flight: to record one side's answers now and
+    compare them with the other side's later (`compare`)."""
+    import httpx
+
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(client, body: FuzzBody) -> Answer:
+        async with limit:
+            return await ask(client, base_url, body)
+
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, follow_redirects=True) as client:
+        return list(await asyncio.gather(*(one(client, b) for b in bodies)))
+
+
+def compare(bodies: list[FuzzBody], ours: list[Answer], theirs: list[Answer],
+            checkpoint: Checkpoint) -> list[Record]:
+    return [Record(body, o, t, *verdict(body, o, t, checkpoint)) for body, o, t in zip(bodies, ours, theirs)]
+
+
 async def run_bodies(bodies: list[FuzzBody], ours_url: str, vllm_url: str, checkpoint: Checkpoint,
                      concurrency: int = 4, progress: Callable[[str], None] = lambda message: None) -> list[Record]:
     """Each body to both servers at once; `concurrency` bodies in flight."""

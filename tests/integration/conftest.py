@@ -319,19 +319,48 @@ def plain_vllm_server(manifest, model_name: str, port: int, log: Path, what: str
             server.wait()
 
 
+# The differential fuzz's bodies (benchmarks/fuzz_bodies.py): seeded, so vLLM's answers can be
+# recorded while its server is up for the feature comparisons and ours asked later.
+FUZZ_BODIES = 250
+FUZZ_SEED = 20261207
+
+
+@dataclass
+class PlainVLLMAnswers:
+    features: dict[str, dict]  # openai_features.FEATURES name -> vLLM's answer
+    fuzz_bodies: list  # benchmarks.fuzz_bodies.FuzzBody
+    fuzz_answers: list  # benchmarks.fuzz_vs_vllm.Answer, one per body
+    checkpoint: object  # benchmarks.fuzz_vs_vllm.Checkpoint
+
+
 @pytest.fixture(scope="session")
-def vllm_feature_answers(stack, tmp_path_factory) -> dict[str, dict]:
-    """vLLM's own OpenAI server's answer to every request of openai_features.FEATURES: the
-    server is started on the stack's checkpoint as users run it, asked once, and stopped, so the
-    modules comparing our paths with it share one start and no server idles beside the stack."""
+def plain_vllm_answers(stack, tmp_path_factory) -> PlainVLLMAnswers:
+    """vLLM's own OpenAI server's answers to every request of openai_features.FEATURES and to the
+    differential fuzz's bodies: the server is started on the stack's checkpoint as users run it,
+    asked once, and stopped, so the modules comparing our paths with it share one start (about
+    a minute and a half here) and no server idles beside the stack."""
+    import asyncio
+
+    from benchmarks.fuzz_bodies import generate
+    from benchmarks.fuzz_vs_vllm import ask_all, checkpoint_of
+    from cluster.checkpoints import resolve_model_path
     from cluster.manifest import load_manifest
     from tests.integration.openai_features import FEATURES, ask
 
     manifest = load_manifest(stack.manifest_path)
+    checkpoint = checkpoint_of(str(resolve_model_path(manifest.model.path)))
+    bodies = generate(FUZZ_BODIES, FUZZ_SEED, stack.model, checkpoint.vocab_size, checkpoint.tokenizer_size)
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     started = time.monotonic()
     with plain_vllm_server(manifest, stack.model, VLLM_SERVER_PORT, log,
-                           "vLLM's OpenAI server for the feature comparisons") as url:
-        answers = {name: ask(url, stack.model, name) for name in FEATURES}
-    _log(f"vLLM's answers to {len(answers)} feature requests in {time.monotonic() - started:.0f}s")
-    return answers
+                           "vLLM's OpenAI server for the comparisons with ours") as url:
+        features = {name: ask(url, stack.model, name) for name in FEATURES}
+        fuzz_answers = asyncio.run(ask_all(bodies, url, concurrency=4))
+    _log(f"vLLM's answers to {len(features)} feature requests and {len(bodies)} fuzz bodies in "
+         f"{time.monotonic() - started:.0f}s")
+    return PlainVLLMAnswers(features, bodies, fuzz_answers, checkpoint)
+
+
+@pytest.fixture(scope="session")
+def vllm_feature_answers(plain_vllm_answers) -> dict[str, dict]:
+    return plain_vllm_answers.features
