@@ -33,6 +33,21 @@ from tests.integration.conftest import REPO
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_sessions_ray_address():
+    """Each cluster these tests start in a process of their own writes its address to Ray's
+    /tmp/ray/ray_current_cluster; one killed outright never takes it back. Later tests asking
+    Ray's state API without an address (list_actors) would then wait on that dead cluster's GCS
+    and time out (seen in CI): the session's address is put back after each test."""
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.exists() else None
+    yield
+    if before is None:
+        current.unlink(missing_ok=True)
+    else:
+        current.write_text(before)
+
+
 def test_stopping_the_cluster_ends_a_child_that_left_its_workers_process_group():
     result = subprocess.run([sys.executable, str(REPO / "tests" / "local_cluster_orphan.py")], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
