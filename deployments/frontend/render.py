@@ -21,7 +21,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.errors import APIError, bad_request
+from deployments.errors import bad_request
+from deployments.frontend.request_checks import (api_error_of, is_error_response, reject_internal_fields,
+                                                 reject_unknown_fields, reject_unserved_options, validate_request,
+                                                 validation_error)
 
 logger = logging.getLogger(__name__)
 
@@ -118,21 +121,21 @@ class VLLMFrontEnd:
         from vllm.exceptions import VLLMClientError
 
         model_cls = ChatCompletionRequest if chat else CompletionRequest
-        _reject_internal_fields(body)
-        _reject_unknown_fields(model_cls, body)
-        request = _validate(model_cls, body)
-        _reject_unserved_options(request)
+        reject_internal_fields(body)
+        reject_unknown_fields(model_cls, body)
+        request = validate_request(model_cls, body)
+        reject_unserved_options(request)
         try:
             if chat:
                 result = await self._render.render_chat_request(request)
-                generated = [result] if not _is_error(result) else result
+                generated = [result] if not is_error_response(result) else result
             else:
                 generated = await self._render.render_completion_request(request)
         except (VLLMClientError, ValueError, TypeError, KeyError) as exc:
             # vLLM's server answers these 400 too (VLLMValidationError is a ValueError).
-            raise _validation_error(exc) from None
-        if _is_error(generated):
-            raise _api_error(generated)
+            raise validation_error(exc) from None
+        if is_error_response(generated):
+            raise api_error_of(generated)
         vocab = self.model_config.get_vocab_size()
         for one in generated:  # vLLM's engine rejects these later; answer 400 before any engine work
             outside = next((t for t in one.token_ids if not 0 <= t < vocab), None)
@@ -175,7 +178,7 @@ class VLLMFrontEnd:
         try:
             params.verify(self.model_config, None, self._structured_outputs, self.tokenizer)
         except (VLLMClientError, ValueError, TypeError) as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
 
     def _parses(self, request: Any) -> bool:
         """Whether derender's parsers shape this chat response (as vLLM's server decides): a
@@ -221,89 +224,6 @@ class VLLMFrontEnd:
 
     def stream_state(self, rendered: Rendered, child: Child) -> "ChoiceStream":
         return ChoiceStream(self._derenderer, rendered, child)
-
-
-# Fields of vLLM's request models that steer the engines' internals: kv_transfer_params names
-# KV blocks to pull and leases to keep, vllm_xargs lands in the engine's extra_args (where the
-# KV connector reads its parameters). Only our own servers set them; from a client they are a
-# 400 naming the field (vLLM's own server accepts both: it trusts its clients with them). null
-# means "not set", as in vLLM's models, and is accepted.
-INTERNAL_FIELDS = ("kv_transfer_params", "vllm_xargs")
-
-
-def _reject_internal_fields(body: dict) -> None:
-    for name in INTERNAL_FIELDS:
-        if body.get(name) is not None:
-            raise bad_request(f"field '{name}' is internal to the serving system and may not be set by clients",
-                              param=name, code="unsupported_field")
-
-
-def _reject_unserved_options(request: Any) -> None:
-    """Options vLLM accepts that our engine path cannot honour yet: refused by name rather than
-    silently dropped (an answer without the prompt's text or logprobs would look correct)."""
-    if getattr(request, "echo", False):
-        raise bad_request("'echo' is not supported by this endpoint", param="echo", code="unsupported_field")
-    if getattr(request, "prompt_logprobs", None) is not None:
-        raise bad_request("'prompt_logprobs' is not supported by this endpoint", param="prompt_logprobs",
-                          code="unsupported_field")
-
-
-def _reject_unknown_fields(model_cls: type, body: dict) -> None:
-    known = set(model_cls.model_fields)
-    known |= {f.alias for f in model_cls.model_fields.values() if f.alias}
-    unknown = sorted(k for k in body if k not in known)
-    if unknown:
-        raise bad_request(f"unknown field '{unknown[0]}'", param=unknown[0], code="unknown_field")
-
-
-def _validate(model_cls: type, body: dict) -> Any:
-    from pydantic import ValidationError
-    from vllm.exceptions import VLLMClientError
-
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(p) for p in error["loc"] if _is_field(p)) or None
-        if error["type"] == "missing":
-            raise bad_request(f"missing required field '{param}'", param=param, code="missing_field") from None
-        raise bad_request(f"invalid '{param}': {error['msg']}" if param else error["msg"], param=param,
-                          code="invalid_value") from None
-    # vLLM's model validators raise these directly; TypeError and AttributeError come from its
-    # `mode="before"` validators reading the client's raw JSON as the type they expect.
-    except (VLLMClientError, ValueError, TypeError, AttributeError) as exc:
-        raise _validation_error(exc) from None
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _is_field(part: object) -> bool:
-    # pydantic puts union members' type names in an error's location ("prompt.list[int]",
-    # "messages.0.ChatCompletionUserMessageParam.content.str"); clients need the field path only.
-    if isinstance(part, int):
-        return True
-    text = str(part)
-    return not (text[:1].isupper() or "[" in text or "-" in text or text in _TYPE_TAGS)
-
-
-def _validation_error(exc: Exception) -> APIError:
-    message = str(exc)
-    param = getattr(exc, "parameter", None)
-    code = "context_length_exceeded" if "context length" in message else "invalid_value"
-    return bad_request(message, param=param, code=code)
-
-
-def _is_error(result: Any) -> bool:
-    return type(result).__name__ == "ErrorResponse"
-
-
-def _api_error(response: Any) -> APIError:
-    info = response.error
-    status = info.code if isinstance(info.code, int) and 400 <= info.code < 600 else 400
-    message = info.message
-    code = "context_length_exceeded" if "context length" in message or "maximum context" in message else None
-    return APIError(status, message, param=info.param, code=code)
 
 
 @dataclass
