@@ -95,7 +95,7 @@ class DisaggregatedEngineClient:
         params = prefill.transfer_params
         if inject_transfer_failure and self._allow_fault_injection:
             params = params.with_failure_injected()
-        admitted = failed = False
+        admitted = finished = False
         try:
             async for item in self._decode.stream(replace(request, pull=params)):
                 if not admitted and isinstance(item, TokenDelta):
@@ -103,15 +103,16 @@ class DisaggregatedEngineClient:
                     # the prefill did not compute.
                     item = replace(item, cached_tokens=getattr(prefill, "cached_tokens", 0))
                     admitted = True
-                failed = failed or isinstance(item, EngineFailure)
+                finished = isinstance(item, TokenDelta) and item.finish_reason is not None
                 yield item
         finally:
-            if not admitted or failed:
-                # Decode produced no token (it failed, refused the request, or the caller left):
-                # it may never have pulled. Or it failed after its first token: a decode that
-                # died may have pulled without its own release getting out (measured: 8 leases
-                # left to expire when a decode rank was killed under load). Releasing twice is
-                # harmless (the prefill side ignores ended leases), leaking blocks is not.
+            if not finished:
+                # Decode did not finish the request: it failed or refused it, a bound expired, or
+                # the caller left. It may never have pulled, or it pulled and died before its own
+                # release got out (measured: 8 leases left to expire when a decode rank was
+                # killed under load; CI: one more when the ingress's inter-token bound closed the
+                # stream after the first token). Releasing twice is harmless (the prefill side
+                # ignores ended leases); leaking blocks until the deadline is not.
                 self._spawn(self._release(params))
 
     def _route_decode_first(self, request: EngineRequest) -> tuple[EngineRequest, str | None]:

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
+from deployments.engine.aborted_ids import AbortedIds
 from deployments.engine.stream_coalescer import coalesce
 from deployments.ports import reserve_port
 from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
@@ -73,6 +74,7 @@ class LLMServer:
             self._engine = engine_factory(model, engine, model_path, **factory_options)
         self._timeouts = RequestTimeouts.of(request_timeouts)
         self._in_flight: set[str] = set()
+        self._aborted = AbortedIds()
         self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
@@ -81,12 +83,18 @@ class LLMServer:
             request = replace(request, pull=request.pull.received(time.monotonic()))
         self._ensure_exporting()
         self._stats.started_total += 1
+        if self._aborted.contains(request.request_id, time.monotonic()):  # its abort overtook it
+            self._stats.aborted_total += 1
+            return
         self._in_flight.add(request.request_id)
         finished = False
+        deltas = None
         try:
             deltas = coalesce(self._engine.generate(request), self._stream_interval_s,
                               merge=TokenDelta.then, is_final=lambda d: d.finish_reason is not None)
             async for delta in deltas:
+                if self._aborted.contains(request.request_id, time.monotonic()):
+                    break  # aborted while vLLM was still adding it: the finally ends it now
                 finished = delta.finish_reason is not None
                 if delta.finish_reason == "error":
                     self._stats.failed_total += 1
@@ -110,7 +118,24 @@ class LLMServer:
             else:
                 # The consumer stopped early (client disconnect): stop the work in the engine.
                 self._stats.aborted_total += 1
-                await asyncio.shield(self._engine.abort(request.request_id))
+                await asyncio.shield(self._abort(deltas, request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """End a request by id, also one not yet in the engine (see aborted_ids.py): a rank
+        actor's caller sends this after cancelling its stream, because a Ray cancel that arrives
+        while the stream is between items, or before it started, never reaches generate()."""
+        self._aborted.add(request_id, time.monotonic())
+        await self._engine.abort(request_id)
+
+    async def _abort(self, deltas: AsyncIterator | None, request_id: str) -> None:
+        """Close the engine's stream (which ends the coalescer's reader task now, not whenever
+        the generator is collected), then abort by id."""
+        if deltas is not None:
+            try:
+                await deltas.aclose()
+            except Exception:  # the stream's own failure: the abort below is what matters
+                logger.debug("closing the engine stream of %s failed", request_id, exc_info=True)
+        await self._engine.abort(request_id)
 
     def _ended_in_error(self, request: EngineRequest) -> EngineFailure:
         """The engine ended the request itself with an error. A KV load that failed under

@@ -58,6 +58,10 @@ class RemoteRank:
         finally:
             if not finished:  # the caller left: cancel, so the rank aborts it in its engine
                 self._cancel(refs)
+                # A cancel that lands while the rank's stream sits between items (or has not
+                # started) never reaches its generate(): abort by id as well, which the rank
+                # remembers for a request it has not added yet. Fire and forget: the rank may be dead.
+                self._actor.abort.remote(request.request_id)
 
     async def prefill(self, request):
         return await self._actor.prefill.remote(request)

@@ -279,3 +279,33 @@ def test_decode_failing_after_its_first_token_releases_the_lease_once_more(monke
     assert len(asyncio.run(scenario())) == 2
     # Decode pulled (it produced a token), but died: its own release may never have gone out.
     assert [p.remote_request_id for p in prefill.released] == ["p-1"]
+
+
+def test_stream_closed_after_its_first_token_releases_the_lease_once_more(monkeypatch):
+    """The ingress's inter-token bound (or a client leaving) closes the stream after decode's
+    first token: a decode that dies then may have pulled without its own release getting out."""
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([replace(DELTA, finish_reason=None), "block"])
+
+    async def scenario():
+        stream = _client(prefill, decode, monkeypatch).stream(REQUEST)
+        first = await anext(stream)
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        return first
+
+    assert asyncio.run(scenario()).token_ids == [7]
+    assert [p.remote_request_id for p in prefill.released] == ["p-1"]
+
+
+def test_a_finished_decode_leaves_the_release_to_its_connector(monkeypatch):
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([replace(DELTA, finish_reason=None), DELTA])
+
+    async def scenario():
+        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
+        await asyncio.sleep(0.05)
+        return out
+
+    assert len(asyncio.run(scenario())) == 2
+    assert prefill.released == []

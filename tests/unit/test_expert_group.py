@@ -25,7 +25,11 @@ class FakeServer:
         self.gate = asyncio.Event()
         self.gate.set()
         self.aborted: list[str] = []
+        self.aborted_by_id: list[str] = []
         self.shut_down = False
+
+    async def abort(self, request_id):
+        self.aborted_by_id.append(request_id)
 
     async def generate(self, request):
         self.requests.append(request.request_id)
@@ -63,7 +67,9 @@ class _Method:
                     future.set_result(item)
                     yield future
             return refs()
-        return self._fn(*args)
+        result = self._fn(*args)
+        # Ray submits at .remote(), awaited or not (a fire-and-forget call still runs).
+        return asyncio.ensure_future(result) if asyncio.iscoroutine(result) else result
 
 
 class FakeRankActor:
@@ -78,6 +84,7 @@ class FakeRankActor:
         self.wait_forever = _Method(self._wait_forever)
         self.shutdown_engine = _Method(server.shutdown_engine)
         self.check_health = _Method(server.check_health)
+        self.abort = _Method(server.abort)
 
     async def _wait_forever(self):
         await self.dead.wait()
@@ -175,16 +182,17 @@ def test_a_dead_rank_fails_every_in_flight_request_of_the_group_and_new_ones_fas
         except Exception as exc:
             health = exc
         await asyncio.sleep(0.05)  # the broken group stops its surviving engines
-        return outputs, late, health, local
+        return outputs, late, health, local, remote
 
-    outputs, late, health, local = asyncio.run(scenario())
+    outputs, late, health, local, remote = asyncio.run(scenario())
     assert local.shut_down
     for out in outputs:
         assert isinstance(out[-1], EngineFailure) and out[-1].retriable and "rank 1 died" in out[-1].message
     assert isinstance(late[0], EngineFailure) and late[0].retriable
     assert type(health).__name__ == "GroupBroken"  # Serve replaces the whole group
     assert local.aborted == ["req-0"]  # the stuck request was cancelled in its engine
-    assert CANCELLED  # and the remote rank's stream was cancelled too
+    assert CANCELLED  # and the remote rank's stream was cancelled too, and aborted by id
+    assert remote.server.aborted_by_id == ["req-1"]
 
 
 def test_group_stats_of_one_rank_is_that_rank():
