@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
 from cluster.manifest_http import HTTPSpec
-from cluster.manifest_kv import KVPoolSpec, KVTransferSpec
+from cluster.manifest_kv import KVPoolSpec, KVTransferSpec, kv_connector_issues
 from cluster.manifest_kubernetes import KubernetesSpec
 from cluster.manifest_routing import AdmissionSpec, RoutingSpec
 from cluster.manifest_timeouts import RequestTimeoutsSpec, timeout_issues
@@ -98,7 +98,8 @@ class EngineSpec(_Strict):
     """CPU only: host memory for the KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE, which vLLM
     reads as an integer: 0.5 fails the engine's start)."""
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
-    """Ranks per replica for tensor parallelism."""
+    """Ranks per replica for tensor parallelism. 1 in expert-parallel pools, and for now in pools
+    with a KV connector (P/D, or kv_pool enabled): the connector has one KV port per engine."""
     block_size: Annotated[int | None, Field(ge=1, le=1024)] = None
     """KV cache block size in tokens (vLLM's default when unset)."""
     stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
@@ -289,6 +290,7 @@ class Manifest(_Strict):
         if self.kv_pool.enabled and self.kv_pool.protocol == "rdma" and self.accelerator is Accelerator.cpu:
             problems.append(ManifestIssue(
                 "kv_pool.protocol", "rdma", "RDMA on a cpu manifest", "use protocol: tcp on CPU machines"))
+        problems.extend(kv_connector_issues(self))
         problems.extend(autoscaling_issues(self))
         problems.extend(timeout_issues(self))
         if self.local_cluster:

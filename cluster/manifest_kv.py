@@ -3,9 +3,11 @@ cluster-wide KV cache pool (kv_pool)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cluster.errors import ManifestIssue
 
 
 class _Strict(BaseModel):
@@ -91,3 +93,25 @@ class KVPoolSpec(_Strict):
     instead of the weights files' sizes and modification times: set it when engines of one
     application load separate copies of the same checkpoint (each node its own download),
     whose times differ, or they will never share pooled KV."""
+
+
+def kv_connector_issues(manifest: Any) -> list[ManifestIssue]:
+    """Pools whose engines get our KV connector (both pools of a P/D manifest, every pool when
+    kv_pool is enabled) must run one worker per engine: the connector binds the engine's one KV
+    port in every tensor-parallel worker (workers 1..N-1 fail with EADDRINUSE, so the engine
+    never starts), and TransferParams carry one address, not one per TP rank.
+    `manifest` is a cluster.manifest.Manifest."""
+    if not (manifest.disaggregated or manifest.kv_pool.enabled):
+        return []
+    connector = "P/D" if manifest.disaggregated else "kv_pool"
+    fix = ("use tensor_parallel_size: 1 with expert/data parallelism (expert_parallel.size, replicas)"
+           + ("" if manifest.disaggregated else ", or drop kv_pool (kv_pool.enabled: false)"))
+    problems = []
+    for index, pool in enumerate(manifest.pools):
+        tp = pool.engine.tensor_parallel_size
+        if tp > 1 and pool.expert_parallel is None:  # expert-parallel pools refuse TP > 1 on their own
+            problems.append(ManifestIssue(
+                f"pools[{index}].engine.tensor_parallel_size", tp,
+                f"tensor parallelism with a KV connector ({connector}) is not supported yet: every TP worker "
+                "would bind the same KV port and transfer parameters carry one address", fix))
+    return problems

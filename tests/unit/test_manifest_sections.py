@@ -145,3 +145,43 @@ def test_only_the_prefill_pool_lends_kv_and_the_transfer_port_is_sized_from_the_
                                                       {**raw(LOCAL)["pools"][1], "replicas": 40}]})
     assert transfer_connections(manifest) == MIN_CONNECTIONS
     assert transfer_connections(bigger) == 40 * 2 * 6 + 16 > 256
+
+
+GPU_COLOCATED = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200.yaml")
+GPU_DISAGG = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200-disagg-ep.yaml")
+
+
+def test_tensor_parallelism_with_the_kv_pool_is_refused_until_tp_workers_get_their_own_kv_ports():
+    # One KV port per engine: TP workers 1..7 would fail to bind it and the engine never starts.
+    error = broken(GPU_COLOCATED, lambda d: d.update(kv_pool={"enabled": True}))
+    issue = only_issue(error)
+    assert (issue.field, issue.value) == ("pools[0].engine.tensor_parallel_size", 8)
+    assert "KV connector (kv_pool)" in issue.problem and "same KV port" in issue.problem
+    assert "tensor_parallel_size: 1" in issue.fix and "kv_pool.enabled: false" in issue.fix
+    assert_reported(error, issue)
+    assert load_manifest(GPU_COLOCATED).pools[0].engine.tensor_parallel_size == 8  # without kv_pool: fine
+
+
+def test_tensor_parallelism_in_a_prefill_decode_pool_is_refused_naming_the_pool():
+    def tp_prefill(d):
+        prefill = d["pools"][0]
+        prefill.pop("expert_parallel")
+        prefill["engine"]["tensor_parallel_size"] = 8
+        prefill["placement"]["num_gpus"] = 8
+
+    error = broken(GPU_DISAGG, tp_prefill)
+    issue = only_issue(error)
+    assert (issue.field, issue.value) == ("pools[0].engine.tensor_parallel_size", 8)
+    assert "KV connector (P/D)" in issue.problem
+    assert "tensor_parallel_size: 1" in issue.fix and "kv_pool" not in issue.fix  # dropping it would not help
+    assert_reported(error, issue)
+
+
+def test_an_expert_parallel_pool_with_tensor_parallelism_gets_one_issue_not_two():
+    def tp_decode(d):
+        d["pools"][1]["engine"]["tensor_parallel_size"] = 2
+        d["pools"][1]["placement"]["num_gpus"] = 2
+
+    issue = only_issue(broken(GPU_DISAGG, tp_decode))
+    assert (issue.field, issue.value) == ("pools[1].engine.tensor_parallel_size", 2)
+    assert "expert-parallel" in issue.problem
