@@ -54,11 +54,11 @@ def master_binary() -> Path:
     try:
         import mooncake
     except ImportError:
-        raise ClusterError("the KV pool needs Mooncake: pip install mooncake-transfer-engine "
+        raise ClusterError("the KV pool needs Mooncake: pip install mooncake-transfer-engine-cuda13 "
                            "(mooncake-transfer-engine-non-cuda on CPU machines)") from None
     path = Path(mooncake.__file__).parent / "mooncake_master"
     if not os.access(path, os.X_OK):
-        raise ClusterError(f"{path} is missing or not executable; reinstall mooncake-transfer-engine")
+        raise ClusterError(f"{path} is missing or not executable; reinstall the Mooncake wheel")
     return path
 
 

