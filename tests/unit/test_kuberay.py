@@ -102,7 +102,8 @@ def test_pd_ep_pods_per_group_follow_ranks_and_packing(generated):
         limits = _container(group)["resources"]["limits"]
         assert limits == {"cpu": "64", "memory": "1024Gi", "nvidia.com/gpu": "8"}  # 8 ranks x (8 CPUs, 1 GPU)
         assert _container(group)["resources"]["requests"] == limits
-        assert group["labels"] == {"accelerator-type": "H200"}
+        # Distinct labels per pool: Ray must not place a prefill rank on a decode pod or back.
+        assert group["labels"] == {"accelerator-type": "H200", "moe-role": name}
     total_gpus = sum(group["replicas"] * int(_container(group)["resources"]["limits"]["nvidia.com/gpu"])
                      for group in workers.values())
     assert total_gpus == 2 * 16 + 32
@@ -279,7 +280,8 @@ def test_the_operators_group_rules_and_pool_labels_are_checked(generated):
     problems = _broken(generated, labels_in_params)
     assert ("$.spec.rayClusterConfig.workerGroupSpecs[1].rayStartParams.labels: the operator refuses Ray labels "
             "here; put them in the group's `labels` mapping") in problems
-    assert any("workerGroupSpecs[1].labels: lacks the pool's node labels {'accelerator-type': 'H200'}" in p
+    assert any("workerGroupSpecs[1].labels: lacks the pool's node labels "
+               "{'accelerator-type': 'H200', 'moe-role': 'decode'}" in p
                for p in problems)
 
 
