@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.manifest import Manifest, PoolSpec
-from cluster.plan_memory import GIB, RankMemory, accelerator_memory_gib, rank_memory, smallest_fitting_split
+from cluster.plan_memory import (
+    GIB,
+    RankMemory,
+    accelerator_memory_gib,
+    kv_bytes_per_token_cached_as,
+    rank_memory,
+    smallest_fitting_split,
+)
 
 INGRESS_NUM_CPUS = 0.25  # tokenization and validation only; leaves the cores to the engines
 
@@ -32,11 +39,18 @@ class ModelFacts:
     kv_element_bytes: int = 0
     source: str = ""  # where the facts came from (checkpoint, shipped config)
 
-    def kv_bytes_per_token_on_rank(self, tensor_parallel: int) -> int:
-        """MLA's latent is replicated over TP ranks; GQA's KV heads are split (>= 1 per rank)."""
+    def kv_bytes_per_token_cached_as(self, kv_cache_dtype: str) -> int | None:
+        """All layers, one rank without TP, at the engine's kv_cache_dtype (None: not sized)."""
+        return kv_bytes_per_token_cached_as(kv_cache_dtype, model_bytes=self.kv_bytes_per_token,
+                                            value_bytes=self.kv_element_bytes, num_layers=self.num_layers, mla=self.mla)
+
+    def kv_bytes_per_token_on_rank(self, tensor_parallel: int, kv_cache_dtype: str = "auto") -> int:
+        """MLA's latent is replicated over TP ranks; GQA's KV heads are split (>= 1 per rank).
+        A kv_cache_dtype plan cannot size counts at the model's dtype (make_plan warns)."""
+        full = self.kv_bytes_per_token_cached_as(kv_cache_dtype) or self.kv_bytes_per_token
         if self.mla or self.kv_heads <= 0 or tensor_parallel <= 1:
-            return self.kv_bytes_per_token
-        return self.kv_bytes_per_token * max(1, self.kv_heads // tensor_parallel) // self.kv_heads
+            return full
+        return full * max(1, self.kv_heads // tensor_parallel) // self.kv_heads
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class PoolPlan:
     kv_cache_tokens_per_replica: int | None
     expert_parallel: str | None = None  # one line: group size, strategy, EPLB
     rank_memory: RankMemory | None = None  # per rank (every rank of a pool is alike)
+    kv_cache_dtype: str = "auto"  # the engine's (engine.extra_args.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -104,13 +119,17 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
                 placements.append(ReplicaPlacement(
                     pool.name, index, node, pool.placement.num_cpus, pool.placement.num_gpus,
                     rank=rank if pool.expert_parallel else None,
-                    experts=_expert_range(facts, rank, ranks) if pool.expert_parallel else None,
+                    experts=_expert_range(_physical_experts(facts, pool), rank, ranks) if pool.expert_parallel else None,
                     weight_bytes=_weights_per_rank(facts, ranks, pool.engine.tensor_parallel_size, pool)))
         memory = _rank_memory(manifest, pool, facts)
         errors.extend(_fit_issues(manifest, pool, facts, memory, warnings))
         kv_bytes, kv_tokens = _kv_capacity(manifest, pool, facts, memory)
+        dtype = _kv_cache_dtype(pool)
+        if facts is not None and facts.kv_bytes_per_token_cached_as(dtype) is None:
+            warnings.append(f"pool {pool.name}: plan cannot size kv_cache_dtype {dtype!r}; its KV is counted at the "
+                            f"model's dtype (known: auto, {', '.join(_known_kv_dtypes(facts))})")
         pools.append(PoolPlan(pool.name, pool.role.value, placements, kv_bytes, kv_tokens,
-                              _expert_parallel_line(manifest, pool, facts, warnings), memory))
+                              _expert_parallel_line(manifest, pool, facts, warnings, errors), memory, dtype))
 
     for node in nodes:
         if reserved[node.name] > node.num_cpus:
@@ -131,9 +150,18 @@ def kv_pool_capacity_tokens(manifest: Manifest, facts: ModelFacts | None) -> int
     """Tokens of the model the KV pool holds at the manifest's replica counts (0: no pool, or the
     model's KV size per token is unknown)."""
     spec = manifest.kv_pool
-    if not spec.enabled or facts is None or facts.kv_bytes_per_token <= 0:
+    per_token = _kv_pool_bytes_per_token(manifest, facts)
+    if not spec.enabled or per_token <= 0:
         return 0
-    return _kv_pool_bytes(manifest, lambda pool: pool.replicas) // facts.kv_bytes_per_token
+    return _kv_pool_bytes(manifest, lambda pool: pool.replicas) // per_token
+
+
+def _kv_pool_bytes_per_token(manifest: Manifest, facts: ModelFacts | None) -> int:
+    """A token's KV as the pool stores it: whole blocks of the engines' caches, at their
+    kv_cache_dtype (the largest, should pools differ). 0: unknown."""
+    if facts is None or facts.kv_bytes_per_token <= 0:
+        return 0
+    return max(facts.kv_bytes_per_token_on_rank(1, _kv_cache_dtype(pool)) for pool in manifest.pools)
 
 
 def _kv_pool_bytes(manifest: Manifest, replicas_of) -> int:
@@ -150,10 +178,10 @@ def _kv_pool_line(manifest: Manifest, facts: ModelFacts | None) -> str | None:
         return None
     now = _kv_pool_bytes(manifest, lambda pool: pool.replicas)
     most = _kv_pool_bytes(manifest, lambda pool: pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas)
+    per_token = _kv_pool_bytes_per_token(manifest, facts)
+
     def capacity(total: int) -> str:
-        if facts is None or facts.kv_bytes_per_token <= 0:
-            return _gib(total)
-        return f"{_gib(total)} = {total // facts.kv_bytes_per_token:,} tokens"
+        return f"{_gib(total)} = {total // per_token:,} tokens" if per_token > 0 else _gib(total)
     size = capacity(now) if now == most else f"{capacity(now)} (up to {capacity(most)} at max replicas)"
     counts = [(pool.name, pool.replicas * pool.ranks_per_replica, spec.segment_mib_for(pool.role))
               for pool in manifest.pools]
@@ -187,11 +215,22 @@ def _autoscaling_line(manifest: Manifest, warnings: list[str]) -> str | None:
             f"{spec.scale_out_cooldown_s:g}s / in {spec.scale_in_cooldown_s:g}s{budget}")
 
 
-def _expert_range(facts: ModelFacts | None, rank: int, size: int) -> tuple[int, int] | None:
-    """vLLM's linear expert placement: rank r holds a contiguous block (remainder to the first ranks)."""
-    if facts is None or not facts.num_experts:
+def _kv_cache_dtype(pool: PoolSpec) -> str:
+    return str(pool.engine.extra_args.get("kv_cache_dtype") or "auto")
+
+
+def _known_kv_dtypes(facts: ModelFacts) -> list[str]:
+    from cluster.plan_memory import KV_CACHE_VALUE_BYTES, MLA_PACKED_BYTES_PER_LAYER
+
+    return list(KV_CACHE_VALUE_BYTES) + (list(MLA_PACKED_BYTES_PER_LAYER) if facts.mla else [])
+
+
+def _expert_range(physical_experts: int | None, rank: int, size: int) -> tuple[int, int] | None:
+    """vLLM's linear expert placement: rank r holds a contiguous block of the physical expert
+    slots (routed experts, then EPLB's redundant copies), the remainder to the first ranks."""
+    if not physical_experts:
         return None
-    base, extra = divmod(facts.num_experts, size)
+    base, extra = divmod(physical_experts, size)
     first = rank * base + min(rank, extra)
     return first, first + base + (1 if rank < extra else 0) - 1
 
@@ -205,12 +244,20 @@ def _weights_per_rank(facts: ModelFacts | None, ranks: int, tp: int = 1, pool: P
     return weights_per_rank(facts.weight_bytes - facts.expert_weight_bytes + experts, experts, ranks, tp)
 
 
+def _physical_experts(facts: ModelFacts | None, pool: PoolSpec | None) -> int | None:
+    """Expert slots per MoE layer over a pool's group: the routed experts plus EPLB's redundant copies."""
+    if facts is None or not facts.num_experts:
+        return None
+    ep = pool.expert_parallel if pool is not None else None
+    return facts.num_experts + (ep.num_redundant_experts if ep and ep.enable_eplb else 0)
+
+
 def _physical_expert_bytes(facts: ModelFacts, pool: PoolSpec | None) -> int:
     """EPLB's redundant experts are extra copies: (experts + redundant) / experts of the bytes."""
-    ep = pool.expert_parallel if pool is not None else None
-    if not ep or not ep.enable_eplb or not ep.num_redundant_experts or not facts.num_experts:
+    physical = _physical_experts(facts, pool)
+    if not physical or physical == facts.num_experts:
         return facts.expert_weight_bytes
-    return facts.expert_weight_bytes * (facts.num_experts + ep.num_redundant_experts) // facts.num_experts
+    return facts.expert_weight_bytes * physical // facts.num_experts
 
 
 def _rank_memory(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None) -> RankMemory | None:
@@ -220,7 +267,8 @@ def _rank_memory(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None) -
     experts = _physical_expert_bytes(facts, pool)
     return rank_memory(
         weight_bytes=facts.weight_bytes - facts.expert_weight_bytes + experts, expert_bytes=experts,
-        kv_bytes_per_token=facts.kv_bytes_per_token_on_rank(tp), ep_size=pool.ranks_per_replica, tp_size=tp,
+        kv_bytes_per_token=facts.kv_bytes_per_token_on_rank(tp, _kv_cache_dtype(pool)), ep_size=pool.ranks_per_replica,
+        tp_size=tp,
         gpu=manifest.accelerator.value == "gpu",
         memory_gib=accelerator_memory_gib(pool.placement.node_labels, pool.placement.accelerator_memory_gib),
         utilization=pool.engine.gpu_memory_utilization, cpu_kv_gib=pool.engine.cpu_kvcache_space_gib)
@@ -236,9 +284,11 @@ def _fit_issues(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None, me
         return []
     if not memory.fits:
         ep, tp = pool.ranks_per_replica, pool.engine.tensor_parallel_size
-        split = smallest_fitting_split(facts.weight_bytes, facts.expert_weight_bytes, facts.num_experts,
+        experts, physical = _physical_expert_bytes(facts, pool), _physical_experts(facts, pool)
+        split = smallest_fitting_split(facts.weight_bytes - facts.expert_weight_bytes + experts, experts, physical,
                                        memory.usable_bytes, ep, tp)
-        fix = (f"set expert_parallel.size: {split} (the smallest that divides {facts.num_experts} experts and fits)"
+        slots = "experts" if physical == facts.num_experts else "expert slots (EPLB's redundant ones included)"
+        fix = (f"set expert_parallel.size: {split} (the smallest that divides {physical} {slots} and fits)"
                if split else "add tensor-parallel ranks")
         return [f"pool {pool.name}: each rank loads {_gib(memory.weight_bytes)} of weights but has "
                 f"{_gib(memory.device_memory_bytes)} x gpu_memory_utilization {pool.engine.gpu_memory_utilization:g} "
@@ -256,17 +306,25 @@ def _known_label() -> str:
 
 
 def _expert_parallel_line(manifest: Manifest, pool: PoolSpec, facts: ModelFacts | None,
-                          warnings: list[str]) -> str | None:
+                          warnings: list[str], errors: list[str]) -> str | None:
     ep = pool.expert_parallel
     if ep is None:
         return None
-    if facts and facts.num_experts and facts.num_experts % ep.size:
+    physical = _physical_experts(facts, pool)
+    redundant = physical is not None and physical != facts.num_experts
+    if physical and physical % ep.size and redundant:
+        errors.append(f"pool {pool.name}: EPLB needs its {physical} expert slots ({facts.num_experts} routed + "
+                      f"{ep.num_redundant_experts} redundant) to split evenly over {ep.size} ranks; set "
+                      "expert_parallel.num_redundant_experts so that the sum is a multiple of expert_parallel.size")
+    elif physical and physical % ep.size:
         warnings.append(f"pool {pool.name}: {facts.num_experts} routed experts do not split evenly over "
                         f"{ep.size} ranks; the first ranks hold one more (uneven load)")
     if manifest.accelerator.value == "cpu":
         eplb = "EPLB unavailable (vLLM's CPU build rejects it; per-expert load is still exported)"
     else:
         eplb = (f"EPLB on, {ep.num_redundant_experts} redundant experts" if ep.enable_eplb else "EPLB off")
+        if redundant and not physical % ep.size:
+            eplb += f" ({physical} slots, {physical // ep.size} per rank)"
     return (f"{ep.size} ranks per replica (data-parallel attention, expert-parallel MoE), "
             f"{ep.placement_strategy}, {eplb}")
 
@@ -309,7 +367,8 @@ def render_plan(plan: Plan) -> str:
     if plan.autoscaling:
         lines.append(f"autoscaling  {plan.autoscaling}")
     lines.append("")
-    lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'rank':<7}{'experts':<10}{'node':<34}"
+    node_width = max([34] + [len(r.node) + 2 for pool in plan.pools for r in pool.replicas])
+    lines.append(f"{'pool':<12}{'role':<11}{'replica':<9}{'rank':<7}{'experts':<10}{'node':<{node_width}}"
                  f"{'cpus':>6}{'gpus':>6}{'count':>7}  {'weights':<11}kv cache per rank")
     for pool in plan.pools:
         kv = _kv_cell(plan, pool)
@@ -325,7 +384,7 @@ def render_plan(plan: Plan) -> str:
             else:
                 experts = "1/" + str(len({r.rank for r in pool.replicas})) if first.rank is not None else "all"
             weights = "?" if first.weight_bytes is None else _gib(first.weight_bytes)
-            lines.append(f"{pool.name:<12}{pool.role:<11}{replicas:<9}{ranks:<7}{experts:<10}{first.node:<34}"
+            lines.append(f"{pool.name:<12}{pool.role:<11}{replicas:<9}{ranks:<7}{experts:<10}{first.node:<{node_width}}"
                          f"{first.num_cpus:>6g}{first.num_gpus:>6g}{'x' + str(len(group)):>7}  {weights:<11}{kv}")
     if plan.node_cpu_reserved:
         lines.append("")
@@ -347,6 +406,8 @@ def _kv_cell(plan: Plan, pool: PoolPlan) -> str:
         kv = f"{bound}{kv} = {bound}{pool.kv_cache_tokens_per_replica:,} tokens"
         if memory is not None and memory.usable_bytes is not None:
             kv += f" ({_gib(memory.device_memory_bytes)} x {memory.usable_bytes / memory.device_memory_bytes:.2f} - weights)"
+    if pool.kv_cache_dtype != "auto" and memory is not None:
+        kv += f", {pool.kv_cache_dtype} KV: {memory.kv_bytes_per_token:,} B/token"
     return kv
 
 

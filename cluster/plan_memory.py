@@ -8,7 +8,13 @@ at start-up, not known here), so the tokens shown are an upper bound. On CPU the
 `cpu_kvcache_space_gib` of host memory and the weights live outside it.
 
 KV bytes per token on a rank: MLA caches one latent per token and layer, replicated on every
-tensor-parallel rank; GQA splits its KV heads over tensor-parallel ranks.
+tensor-parallel rank; GQA splits its KV heads over tensor-parallel ranks. The engine's
+`kv_cache_dtype` sets the bytes of a cached value (the model's dtype for "auto"); DeepSeek's
+packed MLA layouts have a fixed size per token and layer.
+
+Experts per rank: vLLM splits the physical expert slots of a MoE layer, the routed experts plus
+EPLB's redundant copies, over the ranks of a group (DeepSeek-V3, EP32, 32 redundant: 288 / 32 =
+9 per rank, not 8), and EPLB needs them to divide evenly.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ ACCELERATOR_MEMORY_GIB = {
 }
 ACCELERATOR_LABEL = "accelerator-type"
 GIB = 1 << 30
+
+# The engine's kv_cache_dtype -> bytes of one cached value (vllm/config/cache.py CacheDType; the
+# fp8 caches keep their scales per layer, not per token).
+KV_CACHE_VALUE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
+# DeepSeek's packed MLA caches, bytes per token and layer (vLLM's MLAAttention.get_kv_cache_spec):
+# fp8_ds_mla is 512 fp8 latent values, 4 float32 scales and 64 bf16 RoPE values, 656 B against
+# the bf16 cache's 576 x 2 = 1,152 B.
+MLA_PACKED_BYTES_PER_LAYER = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,23 @@ def accelerator_memory_gib(node_labels: dict[str, str], override_gib: float | No
     return ACCELERATOR_MEMORY_GIB.get(node_labels.get(ACCELERATOR_LABEL, ""))
 
 
+def kv_bytes_per_token_cached_as(kv_cache_dtype: str, *, model_bytes: int, value_bytes: int, num_layers: int,
+                                  mla: bool) -> int | None:
+    """KV bytes per token (all layers, one rank without TP) when the engine caches at
+    `kv_cache_dtype`, from `model_bytes` at the model's dtype, whose values take `value_bytes`.
+    None: a dtype this table does not size. A dense-MLA model (DeepSeek-V3) with "fp8" caches its
+    576-value latent at one byte a value, 576 B per layer: vLLM 0.32 turns fp8 into the packed
+    fp8_ds_mla only on its sparse-MLA backends (DeepSeek-V3.2), or when it is named."""
+    if kv_cache_dtype == "auto":
+        return model_bytes
+    if mla and kv_cache_dtype in MLA_PACKED_BYTES_PER_LAYER:
+        return num_layers * MLA_PACKED_BYTES_PER_LAYER[kv_cache_dtype]
+    width = KV_CACHE_VALUE_BYTES.get(kv_cache_dtype)
+    if width is None or value_bytes <= 0:
+        return None
+    return model_bytes * width // value_bytes
+
+
 def weights_per_rank(weight_bytes: int, expert_bytes: int, ep_size: int, tp_size: int) -> int:
     dense = weight_bytes - expert_bytes
     return -(-(dense + -(-expert_bytes // ep_size)) // tp_size)
@@ -70,7 +101,8 @@ def rank_memory(*, weight_bytes: int, expert_bytes: int, kv_bytes_per_token: int
 
 def smallest_fitting_split(weight_bytes: int, expert_bytes: int, num_experts: int | None, usable_bytes: int,
                            ep_size: int, tp_size: int) -> int | None:
-    """The smallest expert-parallel size (dividing the experts) at which a rank's weights fit."""
+    """The smallest expert-parallel size (dividing the experts) at which a rank's weights fit.
+    `num_experts` and `expert_bytes` count physical slots: EPLB's redundant copies included."""
     if not num_experts:
         return None
     for size in range(max(ep_size, 1) + 1, num_experts + 1):

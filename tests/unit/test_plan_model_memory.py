@@ -149,3 +149,107 @@ def test_tiny_checkpoints_kv_bytes_match_what_vllm_allocates(name):
     config = {**spec.config, "model_type": spec.model_type, "vocab_size": spec.vocab_size}
     arch = read_architecture(config)
     assert arch.kv_bytes_per_token(4) == (4 * 576 * 4 if name == "tiny-deepseek-v3" else 2 * 4 * 2 * 32 * 4)
+
+
+# --- the engine's kv_cache_dtype and EPLB's redundant experts (GPU review M5) -------------------
+
+def _ep16_with_kv(dtype):
+    return _gpu_manifest([{**EP_DECODE, "engine": {"gpu_memory_utilization": 0.9,
+                                                   "extra_args": {"kv_cache_dtype": dtype}}}])
+
+
+@pytest.mark.parametrize("dtype, per_layer", [
+    ("auto", 576 * 2), ("bfloat16", 576 * 2),
+    # Dense MLA (DeepSeek-V3) with fp8: the 576-value latent at one byte each (vLLM's MLAAttention
+    # spec: head_size 576 x the fp8 dtype's 1 byte); fp8_ds_mla only where it is named.
+    ("fp8", 576), ("fp8_e4m3", 576),
+    # DeepSeek's packed layout: 512 fp8 latent + 4 float32 scales + 64 bf16 RoPE = 656 B per layer.
+    ("fp8_ds_mla", 656),
+])
+def test_deepseek_v3_kv_per_token_follows_the_engines_kv_cache_dtype(dtype, per_layer):
+    manifest = _ep16_with_kv(dtype)
+    plan = make_plan(manifest, _facts(manifest))
+    memory = plan.pools[0].rank_memory
+    assert memory.kv_bytes_per_token == 61 * per_layer  # 70,272 / 35,136 / 40,016 B per token
+    assert memory.kv_tokens == memory.kv_cache_bytes // (61 * per_layer)
+    assert plan.warnings == []
+    assert (f"{dtype} KV: {61 * per_layer:,} B/token" in render_plan(plan)) == (dtype != "auto")
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_bf16_and_the_packed_layout_1_76x():
+    tokens = {dtype: make_plan(_ep16_with_kv(dtype), _facts(_ep16_with_kv(dtype))).pools[0].kv_cache_tokens_per_replica
+              for dtype in ("auto", "fp8", "fp8_ds_mla")}
+    assert tokens["fp8"] in (2 * tokens["auto"], 2 * tokens["auto"] + 1)
+    # 70,272 / 40,016: counted at bf16, a packed fp8 cache's capacity is understated by 43%
+    assert round(tokens["fp8_ds_mla"] / tokens["auto"], 2) == 1.76
+
+
+def test_gqa_fp8_kv_halves_every_tp_ranks_share():
+    facts = read_model_facts(Path("/absent/GLM-4.5"), "auto", model_name="zai-org/GLM-4.5")
+    assert facts.kv_bytes_per_token_on_rank(1) == 376_832
+    assert facts.kv_bytes_per_token_on_rank(1, "fp8") == 376_832 // 2
+    assert facts.kv_bytes_per_token_on_rank(4, "fp8_e5m2") == 376_832 // 2 // 4
+    assert facts.kv_bytes_per_token_cached_as("fp8_ds_mla") is None  # an MLA layout: GQA has none
+
+
+def test_a_kv_cache_dtype_plan_cannot_size_warns_and_counts_the_model_dtype():
+    manifest = _ep16_with_kv("turboquant_k8v4")
+    plan = make_plan(manifest, _facts(manifest))
+    assert plan.pools[0].rank_memory.kv_bytes_per_token == 70_272
+    (warning,) = plan.warnings
+    assert "kv_cache_dtype 'turboquant_k8v4'" in warning and "fp8_ds_mla" in warning
+
+
+def test_the_kv_pool_counts_tokens_at_the_engines_kv_cache_dtype():
+    from cluster.plan import kv_pool_capacity_tokens
+
+    pool = {**EP_DECODE, "engine": {"extra_args": {"kv_cache_dtype": "fp8"}}}
+    manifest = _gpu_manifest([pool])
+    manifest = manifest.model_copy(update={"kv_pool": manifest.kv_pool.model_copy(update={"enabled": True})})
+    # 16 ranks x 256 MiB, at 35,136 B per token rather than 70,272
+    assert kv_pool_capacity_tokens(manifest, _facts(manifest)) == 16 * 256 * 2**20 // 35_136
+
+
+DISAGG = Path(__file__).resolve().parents[2] / "manifests" / "deepseek-v3-h200-disagg-ep.yaml"
+
+
+def test_decode_ranks_hold_their_share_of_eplbs_redundant_experts():
+    """EP32 with 32 redundant experts: vLLM splits 256 + 32 = 288 expert slots, 9 per rank."""
+    from cluster.manifest import load_manifest
+
+    manifest = load_manifest(DISAGG)
+    facts = _facts(manifest)
+    plan = make_plan(manifest, facts)
+    decode = next(pool for pool in plan.pools if pool.name == "decode")
+    ranges = [rank.experts for rank in decode.replicas]
+    assert ranges[0] == (0, 8) and ranges[31] == (279, 287)
+    assert {last - first + 1 for first, last in ranges} == {9}
+    dense = facts.weight_bytes - facts.expert_weight_bytes
+    assert decode.rank_memory.weight_bytes == dense + -(-facts.expert_weight_bytes * 288 // 256 // 32)
+    per_expert = facts.expert_weight_bytes / 256  # all 58 MoE layers' copies of one expert, ~2.38 GiB
+    assert abs(decode.rank_memory.weight_bytes - (dense + 8 * per_expert) - per_expert) < 1 << 20
+    text = render_plan(plan)
+    assert "9 each" in text and "EPLB on, 32 redundant experts (288 slots, 9 per rank)" in text
+    assert plan.errors == []
+
+
+def test_eplb_slots_that_do_not_split_evenly_fail_the_plan():
+    manifest = _gpu_manifest([{**EP_DECODE, "expert_parallel": {
+        "size": 32, "placement_strategy": "PACK", "enable_eplb": True, "num_redundant_experts": 16}}])
+    (error,) = make_plan(manifest, _facts(manifest)).errors
+    assert "272 expert slots (256 routed + 16 redundant)" in error and "32 ranks" in error
+    assert "num_redundant_experts" in error
+
+
+def test_the_smallest_fitting_split_counts_redundant_experts():
+    # At 0.7 of an H200 (98.28 GiB): EP8 holds 32 of 256 experts (93.9 GiB) but 36 of 288 slots
+    # (103.4 GiB); EP9 holds 32 of 288 slots.
+    def error(ep):
+        manifest = _gpu_manifest([{**EP_DECODE, "engine": {"gpu_memory_utilization": 0.7},
+                                   "expert_parallel": {"size": 4, "placement_strategy": "PACK", **ep}}])
+        (text,) = make_plan(manifest, _facts(manifest)).errors
+        return text
+
+    assert "expert_parallel.size: 8 (the smallest that divides 256 experts and fits)" in error({})
+    assert "expert_parallel.size: 9 (the smallest that divides 288 expert slots" in error(
+        {"enable_eplb": True, "num_redundant_experts": 32})
