@@ -95,7 +95,7 @@ class DisaggregatedEngineClient:
         params = prefill.transfer_params
         if inject_transfer_failure and self._allow_fault_injection:
             params = params.with_failure_injected()
-        admitted = finished = False
+        admitted = finished = pull_failed = False
         try:
             async for item in self._decode.stream(replace(request, pull=params)):
                 if not admitted and isinstance(item, TokenDelta):
@@ -104,15 +104,17 @@ class DisaggregatedEngineClient:
                     item = replace(item, cached_tokens=getattr(prefill, "cached_tokens", 0))
                     admitted = True
                 finished = isinstance(item, TokenDelta) and item.finish_reason is not None
+                pull_failed = finished and item.kv_load is not None and item.kv_load.pull_failed
                 yield item
         finally:
-            if not finished:
+            if not finished or pull_failed:
                 # Decode did not finish the request: it failed or refused it, a bound expired, or
                 # the caller left. It may never have pulled, or it pulled and died before its own
                 # release got out (measured: 8 leases left to expire when a decode rank was
-                # killed under load; CI: one more when the ingress's inter-token bound closed the
-                # stream after the first token). Releasing twice is harmless (the prefill side
-                # ignores ended leases); leaking blocks until the deadline is not.
+                # killed under load). Or decode finished by recomputing after its pull failed:
+                # whatever broke the pull may have lost decode's release as well (CI: a pull and
+                # its release failing together, the lease left to expire). Releasing twice is
+                # harmless (the prefill side ignores ended leases); leaking blocks is not.
                 self._spawn(self._release(params))
 
     def _route_decode_first(self, request: EngineRequest) -> tuple[EngineRequest, str | None]:

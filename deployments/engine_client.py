@@ -69,10 +69,40 @@ class HandleEngineClient:
             yield EngineFailure(f"engine replica failed: {type(exc).__name__}: {str(exc)[:300]}", retriable=True)
         finally:
             if not done:
-                response.cancel()
+                cancel_call(response)
 
     async def health(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._handle.check_health.remote(), timeout_s)
+
+
+_CANCELLING: set[asyncio.Task] = set()  # references to the follow-ups below until they end
+
+
+def cancel_call(response: Any) -> None:
+    """Cancel a Serve handle call, also one whose replica was assigned just as it was cancelled.
+
+    `DeploymentResponseGenerator.cancel()` cancels the replica's work only once the response
+    has fetched its replica result. With the router on the caller's loop (as under
+    RAY_SERVE_THROUGHPUT_OPTIMIZED, the default manifest's HTTP mode), a caller cancelled
+    after the assignment completed but before its await resumed never fetches it: cancel()
+    finds nothing to cancel and the request runs on its replica, unread, to max_tokens (seen
+    as a decode engine still busy 20 s after its client left). So the cancel is followed by
+    fetching the assignment (done, or cancelled by cancel() itself) and cancelling that."""
+    response.cancel()
+    fetch = getattr(response, "_fetch_future_result_async", None)  # Serve internals: see above
+    if fetch is None:
+        return
+
+    async def cancel_assigned() -> None:
+        try:
+            replica_result = await fetch()
+        except BaseException:  # noqa: BLE001 - never assigned (cancelled first) or failed: nothing runs
+            return
+        replica_result.cancel()
+
+    task = asyncio.ensure_future(cancel_assigned())
+    _CANCELLING.add(task)
+    task.add_done_callback(_CANCELLING.discard)
 
 
 def as_engine_client(engine: Any) -> EngineClient:

@@ -196,13 +196,16 @@ class LoadTiming:
     pull_s: float = 0.0  # pulled from the prefill's lease
     pull_blocks: int = 0
     pool_failed: bool = False  # a pool read failed (missing, corrupt, pool down): the engine recomputed
+    # The pull from the prefill's lease failed and the engine recomputed. Whatever broke the pull
+    # may have lost the release that follows it too: the P/D client then releases the lease itself.
+    pull_failed: bool = False
 
     def slower(self, other: "LoadTiming") -> "LoadTiming":
         """Ranks of one engine (tensor parallel) load their shards side by side: the request
         waits for the slowest of them."""
         return LoadTiming(max(self.pool_s, other.pool_s), max(self.pool_blocks, other.pool_blocks),
                           max(self.pull_s, other.pull_s), max(self.pull_blocks, other.pull_blocks),
-                          self.pool_failed or other.pool_failed)
+                          self.pool_failed or other.pool_failed, self.pull_failed or other.pull_failed)
 
     @classmethod
     def from_engine(cls, params: dict[str, Any] | None) -> "LoadTiming | None":

@@ -13,15 +13,27 @@ was unreachable is not tried again for a while (`peer_health`): a dead node cost
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from kv_transfer.errors import TransferFailed
 from kv_transfer.params import TransferParams
-from kv_transfer.peer_health import PeerDown, PeerHealth, guarded
+from kv_transfer.peer_health import PeerDown, PeerHealth, PeerUnreachable, guarded
 from kv_transfer.transport.base import TransferClient
 from kv_transfer.transport.tcp_client import TcpTransferClient
 
 logger = logging.getLogger(__name__)
+
+# Pauses before the retries of a release whose connection broke. Not for a peer found down (the
+# back-off owns that) or a refusal (the server answered: trying again gets the same answer).
+RETRY_AFTER_S = (0.2, 1.0)
+
+
+def _worth_retrying(exc: Exception) -> bool:
+    if isinstance(exc, (PeerDown, PeerUnreachable)):
+        return False
+    return isinstance(exc, TransferFailed) and not exc.remote
 
 
 class BackgroundReleaser:
@@ -39,14 +51,27 @@ class BackgroundReleaser:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-release")
 
     def submit(self, params: TransferParams) -> None:
-        self._pool.submit(self._release, params)
+        self._submit(params, 0)
 
-    def _release(self, params: TransferParams) -> None:
+    def _submit(self, params: TransferParams, attempt: int) -> None:
+        try:
+            self._pool.submit(self._release, params, attempt)
+        except RuntimeError:  # shut down meanwhile (a retry's timer fired late): nothing to do
+            pass
+
+    def _release(self, params: TransferParams, attempt: int = 0) -> None:
         try:
             with guarded(self._peers, params.remote_host, params.remote_port):
                 self._client.release(params.remote_host, params.remote_port, params.remote_request_id,
                                      self._timeout_s, params.remote_block_ids, params.grant_bytes())
         except Exception as exc:  # the prefill side's lease deadline frees the blocks anyway
+            if _worth_retrying(exc) and attempt < len(RETRY_AFTER_S):
+                # A connection that broke under this release (CI: closed before the reply) says
+                # nothing of the next one; a lost release pins the blocks for the whole lease.
+                timer = threading.Timer(RETRY_AFTER_S[attempt], self._submit, (params, attempt + 1))
+                timer.daemon = True
+                timer.start()
+                return
             if self._on_failure is not None:
                 self._on_failure(exc)
             log = logger.debug if isinstance(exc, PeerDown) else logger.warning  # PeerDown: logged once, at the failure

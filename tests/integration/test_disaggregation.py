@@ -117,7 +117,8 @@ def test_abort_before_transfer_frees_prefill_blocks(stack, engine_stats):
     assert prefill.kv_transfer["leases_outstanding"] == 0
     assert prefill.kv_transfer["leases_expired_total"] == before_p["leases_expired_total"]
     assert decode.kv_transfer["pulls_in_flight"] == 0
-    assert prefill.engine_unfinished_requests == 0 and decode.engine_unfinished_requests == 0
+    assert prefill.engine_unfinished_requests == 0 and decode.engine_unfinished_requests == 0, (
+        repr(prefill), repr(decode))
 
 
 def test_injected_failure_with_recompute_policy_returns_identical_output(stack, reference_outputs, engine_stats):

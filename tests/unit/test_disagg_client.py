@@ -309,3 +309,21 @@ def test_a_finished_decode_leaves_the_release_to_its_connector(monkeypatch):
 
     assert len(asyncio.run(scenario())) == 2
     assert prefill.released == []
+
+
+def test_a_decode_that_recomputed_after_its_pull_failed_releases_the_lease_once_more(monkeypatch):
+    """What broke the pull may have lost decode's own release too (CI: both failed on one
+    closed connection and the lease was left to expire)."""
+    from kv_transfer.params import LoadTiming
+
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    final = replace(DELTA, kv_load=LoadTiming(pull_s=0.2, pull_blocks=2, pull_failed=True))
+    decode = FakeDecodeClient([replace(DELTA, finish_reason=None), final])
+
+    async def scenario():
+        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
+        await asyncio.sleep(0.05)
+        return out
+
+    assert len(asyncio.run(scenario())) == 2
+    assert [p.remote_request_id for p in prefill.released] == ["p-1"]
