@@ -39,6 +39,7 @@ from typing import Callable
 
 import numpy as np
 
+from benchmarks.kv_bench_lease import REQUEST_ID, bench_lease
 from kv_transfer.transport import get_backend
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -121,7 +122,9 @@ def prepare_ours(src: np.ndarray, dst: np.ndarray, backend_name: str = "tcp") ->
     block_ids = list(range(source.array.shape[0]))
     dest_pages = sink.pages(block_ids)
     backend = get_backend(backend_name)
-    server = backend.server("127.0.0.1", 0, source, lambda rid: None, lambda: {})
+    lease = bench_lease(len(block_ids))
+    server = backend.server("127.0.0.1", 0, source, lambda rid: None, lambda: {},
+                            leases=lease.leases, grant_key=lease.grant_key)
     server.start()
     client = backend.client()
     client.register_sink(sink)
@@ -131,7 +134,7 @@ def prepare_ours(src: np.ndarray, dst: np.ndarray, backend_name: str = "tcp") ->
         client.close()
         server.stop()
 
-    return _timed(lambda: client.fetch(host, port, "bench", block_ids, dest_pages, 60.0)), close
+    return _timed(lambda: client.fetch(host, port, REQUEST_ID, block_ids, dest_pages, 60.0, lease.grant)), close
 
 
 def prepare_ours_mooncake(src: np.ndarray, dst: np.ndarray) -> Runner:

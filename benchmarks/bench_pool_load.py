@@ -41,29 +41,27 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from benchmarks.kv_bench_lease import REQUEST_ID, bench_lease
+from kv_transfer.kv_pages import KVPages
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCKS, LAYER_PAGES, PAGE_BYTES = 32, 8, 32 * 1024  # 8 x 32 KiB = one 256 KiB block
 
 
-class _Pages:
-    """The connector's page view (`KVPages`) over plain arrays: one array per layer."""
+class _Pages(KVPages):
+    """The connector's own KVPages over one uint8 cache per layer (LAYER_PAGES x BLOCKS pages)."""
 
     def __init__(self, fill: bool):
-        rng = np.random.default_rng(0)
-        self.layers = [rng.integers(0, 256, (BLOCKS, PAGE_BYTES), dtype=np.uint8) if fill
-                       else np.zeros((BLOCKS, PAGE_BYTES), np.uint8) for _ in range(LAYER_PAGES)]
-        self.num_layers, self.page_bytes = LAYER_PAGES, PAGE_BYTES
-
-    def pages(self, block_ids: list[int]) -> list[memoryview]:
-        return [memoryview(layer[b]) for b in block_ids for layer in self.layers]
-
-    def regions(self) -> list[tuple[int, int]]:
-        return [(layer.ctypes.data, layer.nbytes) for layer in self.layers]
+        generator = torch.Generator().manual_seed(0)
+        self.layers = [torch.randint(0, 256, (BLOCKS, PAGE_BYTES), dtype=torch.uint8, generator=generator) if fill
+                       else torch.zeros((BLOCKS, PAGE_BYTES), dtype=torch.uint8) for _ in range(LAYER_PAGES)]
+        super().__init__({f"model.layers.{i}.attn": layer for i, layer in enumerate(self.layers)}, BLOCKS)
 
     def clear(self) -> None:
         for layer in self.layers:
-            layer[:] = 0
+            layer.zero_()
 
 
 def _libz_crc32():
@@ -137,7 +135,7 @@ def main() -> int:
             raise RuntimeError(f"storing {BLOCKS} blocks in the pool failed: {writer.snapshot()}")
         own_blocks = [PoolBlock(os.urandom(16), token_digest([i]), i) for i in range(BLOCKS)]
         for layer, data in zip(sink.layers, source.layers):
-            layer[:] = data
+            layer.copy_(data)
         if reader.store(own_blocks) != BLOCKS:  # into the reader's own segment
             raise RuntimeError(f"storing {BLOCKS} blocks in the pool failed: {reader.snapshot()}")
         keys = KeySpace("bench", "pool-load")
@@ -148,12 +146,18 @@ def main() -> int:
                 raise RuntimeError(f"objects landed in {placed}, not in their writer's segment {store.own_segment()}")
 
         tcp = get_backend("tcp")
-        server = tcp.server("127.0.0.1", 0, source, lambda rid: None, lambda: {})
+        lease = bench_lease(BLOCKS)
+        server = tcp.server("127.0.0.1", 0, source, lambda rid: None, lambda: {},
+                            leases=lease.leases, grant_key=lease.grant_key)
         server.start()
         client = tcp.client()
         client.register_sink(sink)
         host, port = server.address
         ids = list(range(BLOCKS))
+
+        def tcp_pull(block_ids) -> None:
+            with sink.receiving(block_ids) as dest:
+                client.fetch(host, port, REQUEST_ID, block_ids, dest, 60.0, lease.grant)
 
         def pool_load(which) -> None:
             reader.load(which)
@@ -164,12 +168,12 @@ def main() -> int:
 
         def bare_get(which) -> None:  # Mooncake's read alone: no executor, checksum or scatter
             got = reader_store.get_into([keys.key(b.block_hash, 0) for b in which],
-                                        [staging.ctypes.data + i * object_bytes for i in range(len(which))],
+                                        [staging.data_ptr() + i * object_bytes for i in range(len(which))],
                                         [object_bytes] * len(which))
             if got != [object_bytes] * len(which):
                 raise RuntimeError(f"a bare get read {got}")
 
-        staged = [memoryview(staging)[i * object_bytes:(i + 1) * object_bytes] for i in range(BLOCKS)]
+        staged = [memoryview(staging.numpy())[i * object_bytes:(i + 1) * object_bytes] for i in range(BLOCKS)]
         libz_crc32 = _libz_crc32()
 
         methods = {"pool_load": lambda: pool_load(blocks),
@@ -178,12 +182,12 @@ def main() -> int:
                    "bare_get_own_segment": lambda: bare_get(own_blocks),
                    "checksum_xxh3": lambda: [xxh3_64(obj) for obj in staged],
                    "checksum_crc32": lambda: [libz_crc32(obj) for obj in staged],
-                   "tcp_pull": lambda: client.fetch(host, port, "bench", ids, sink.pages(ids), 60.0)}
+                   "tcp_pull": lambda: tcp_pull(ids)}
         nbytes = BLOCKS * LAYER_PAGES * PAGE_BYTES
         for name, run in methods.items():  # warm-up and the bytes check
             sink.clear()
             run()
-            if name.startswith(("pool_load", "tcp")) and not all(np.array_equal(a, b)
+            if name.startswith(("pool_load", "tcp")) and not all(torch.equal(a, b)
                                                             for a, b in zip(source.layers, sink.layers)):
                 raise RuntimeError(f"{name}: the blocks that arrived differ from the source")
         seconds = {(name, busy): [] for name in methods for busy in (False, True)}

@@ -144,11 +144,14 @@ class WorkerSide:
     # -- set-up ---------------------------------------------------------------------------------
 
     def register(self, pages) -> None:
-        self._pages = pages
+        """`pages`: kv_pages.KVPages over the engine's caches (or a test's equivalent)."""
         if self._pool is not None:
-            self._pool.attach(pages)
-        self._client.register_sink(pages)  # backends that register memory do it once, here
-        self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=pages,
+            self._pool.attach(pages)  # the pool always copies through host staging
+        # P/D pages: host-staged copies (any device), or in place for a backend that registers
+        # engine memory (refused for a device cache, at engine start rather than per request).
+        self._pages = pages.host_memory() if self._backend.moves_engine_memory else pages
+        self._client.register_sink(self._pages)  # backends that register memory do it once, here
+        self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=self._pages,
                                             on_release=self._on_release, on_stats=self.stats,
                                             leases=_ReadGuard(self),
                                             # Only an engine that lends KV answers reads and releases.
@@ -318,8 +321,9 @@ class WorkerSide:
                 # checks its own clock) or fail mid-way: never start one. Decided on this node's
                 # monotonic clock from the lease time the prefill sent (kv_transfer/params.py).
                 raise LeaseExpired(f"lease of {params.remote_request_id} ends before a pull could finish")
-            dest = self._pages.pages(list(job.local_block_ids))
-            with guarded(self._peers, params.remote_host, params.remote_port):  # PeerDown at once while it is down
+            # The blocks reach the cache (and the device, fenced) only if the whole fetch succeeded.
+            with self._pages.receiving(list(job.local_block_ids)) as dest, \
+                    guarded(self._peers, params.remote_host, params.remote_port):  # PeerDown at once while it is down
                 result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
                                             list(job.remote_block_ids), dest, self._settings.transfer_timeout_s,
                                             params.grant_bytes())
@@ -333,7 +337,7 @@ class WorkerSide:
                            type(exc).__name__, exc, self._settings.failure_policy)
         with self._lock:
             self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks), time.monotonic() - started,
-                                                          len(job.local_block_ids))
+                                                          len(job.local_block_ids), pull_failed=failed)
             self._finished_recving.add(job.request_id)
             if failed:
                 self._failed_recving.add(job.request_id)

@@ -1,38 +1,61 @@
-"""The adapter from vLLM's KV cache tensors to plain byte pages (the transport's unit).
+"""The adapter from vLLM's KV cache tensors to the bytes the transports and the pool move.
 
-What one block of one layer looks like depends on the attention backend, so the block
-dimension is found, not assumed: it is the dimension (0 or 1) whose size is the engine's
-number of blocks (`KVCacheConfig.num_blocks`). Layouts seen in vLLM 0.32/0.33:
+One data path for every device: blocks are gathered from the engine's cache tensors with
+`index_select` on the block dimension into a host staging tensor, and received blocks are
+written back with `index_copy_`, one batched op per layer and transfer, on the tensors' own
+device. Nothing takes a numpy array or a memoryview of engine memory, so the code CI runs on
+CPU is the code that runs on CUDA; there the staging is pinned, the copies run on a side
+stream, and an event is waited on before bytes leave (gather) and before a block is reported
+received (scatter). The host staging is the only memory the transports see.
 
-    CPU, GQA/MHA          [blocks, kv_heads, 2*block_size, head_dim]   block dim 0 (LBHNC)
-    CPU MLA               [blocks, block_size, 576]                    block dim 0 (one latent)
-    FlashMLA / FlashInfer [blocks, block_size, 576] / [blocks, 2, ...] block dim 0
-    FlashAttention        [2, blocks, block_size, kv_heads, head_dim]  block dim 1 (K, V apart)
+What one block of one layer looks like depends on the attention backend. Every layout is
+addressed by indexing, never by assuming a block is one contiguous run of bytes, so the
+token-major block layout vLLM's CUDA backends default to for GQA models (LBNHC, whose block
+view is not contiguous) works like CPU's head-major one (LBHNC). The block dimension is the
+one (0 or 1) whose size is the engine's number of blocks (`KVCacheConfig.num_blocks`):
 
-A block's bytes are then one contiguous segment per index of the dimensions before the
-block dimension: one for block-major layouts (MLA's latent, CPU's K|V page), two for a K/V
-split (K page, V page). Segments are listed layer-major, then block, then segment, so
-prefill and decode, which must run the same model, dtype, block size and backend, produce
-lists of the same length and sizes and a byte copy of each segment is a valid KV copy.
+    CPU, GQA/MHA            [blocks, kv_heads, 2*block_size, head_dim]  block dim 0
+    CUDA GQA (vLLM 0.32)    [blocks, kv_heads, block_size, head_dim] view of a token-major buffer
+    MLA (CPU, FlashMLA)     [blocks, block_size, 576] (fp8 MLA: its own last dim)  block dim 0
+    K/V split backends      [2, blocks, block_size, kv_heads, head_dim]  block dim 1
+
+Bytes are always in the logical (view) order, so two engines with different physical layouts of
+the same model exchange valid KV. Order of a transfer: layer-major, then block: `gather` returns
+[layers, blocks, page_bytes] and a page is the bytes of one (layer, block).
+
+`host_memory()` is the exception, for the "mooncake" P/D backend only: it reads and writes
+engine memory in place through registered addresses, which is possible only for a cache in host
+memory (vLLM CPU) and is refused for a device cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 
 class KVLayoutError(ValueError):
-    """A KV cache tensor whose blocks this adapter cannot address as contiguous segments."""
+    """A KV cache tensor whose blocks this adapter cannot address."""
 
 
 @dataclass(frozen=True)
 class _Layer:
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # the engine's cache (its own dtype and shape)
+    data: torch.Tensor  # the same memory as bytes: the last dimension times the element size
     block_dim: int  # 0: block-major; 1: a leading split (K/V) before the block dimension
-    leading: tuple[int, ...]  # sizes of the dimensions before block_dim ((), or (2,) for K/V)
+
+    @property
+    def leading(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in self.tensor.shape[:self.block_dim])
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The byte shape of one block, leading dimensions first (how gather lays it out)."""
+        rest = self.data.shape[self.block_dim + 1:]
+        return (*self.data.shape[:self.block_dim], *rest)
 
 
 class KVPages:
@@ -48,7 +71,13 @@ class KVPages:
         first = self._layers[0] if self._layers else None
         self.num_blocks = int(first.tensor.shape[first.block_dim]) if first else 0
         self.page_bytes = _block_bytes(first) if first else 0  # bytes of one block of one layer
-        self.segments_per_page = _segments(first) if first else 0
+        self.device = first.tensor.device if first else torch.device("cpu")
+        for layer in self._layers:
+            if _block_bytes(layer) != self.page_bytes or layer.tensor.device != self.device:
+                raise KVLayoutError(
+                    f"KV caches differ between layers ({tuple(layer.tensor.shape)} on {layer.tensor.device} "
+                    f"vs {self.page_bytes} B per block on {self.device}): one page size per engine is assumed")
+        self._stream = None  # CUDA: the side stream copies run on (made on first use)
 
     @property
     def num_layers(self) -> int:
@@ -60,14 +89,114 @@ class KVPages:
             return "no KV cache"
         layer = self._layers[0]
         kind = "block-major" if layer.block_dim == 0 else f"{layer.leading[0]}-way split (K/V) before blocks"
-        return f"{tuple(layer.tensor.shape)} {layer.tensor.dtype}, {kind}, {self.segments_per_page} segment(s)/page"
+        dense = "" if layer.tensor[(*(0 for _ in layer.leading), 0)].is_contiguous() else ", strided blocks"
+        return f"{tuple(layer.tensor.shape)} {layer.tensor.dtype} on {self.device}, {kind}{dense}"
+
+    # -- batched copies ---------------------------------------------------------------------
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of these blocks: uint8 [layers, len(block_ids), page_bytes]."""
+        index = self._index(block_ids)
+        out = self._host_empty(len(block_ids))
+        with self._fenced():
+            for i, layer in enumerate(self._layers):
+                picked = layer.data.index_select(layer.block_dim, index)
+                if layer.block_dim:
+                    picked = picked.movedim(layer.block_dim, 0)
+                out[i].copy_(picked.reshape(len(block_ids), -1), non_blocking=True)
+        return out
+
+    def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write [layers, len(block_ids), page_bytes] bytes (any host tensor; pinned on CUDA
+        for an asynchronous copy) into these blocks; returns once they are in the cache."""
+        index = self._index(block_ids)
+        expected = (self.num_layers, len(block_ids), self.page_bytes)
+        if tuple(blocks.shape) != expected or blocks.dtype != torch.uint8:
+            raise ValueError(f"scatter needs uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+        with self._fenced():
+            for i, layer in enumerate(self._layers):
+                part = blocks[i].to(self.device, non_blocking=True)
+                shaped = part.reshape(len(block_ids), *layer.block_shape())
+                if layer.block_dim:
+                    shaped = shaped.movedim(0, layer.block_dim)
+                layer.data.index_copy_(layer.block_dim, index, shaped)
+
+    # -- what the transports see ------------------------------------------------------------
+
+    def pages(self, block_ids: list[int]) -> list[memoryview]:
+        """PageSource: a snapshot of these blocks as one page per (layer, block), layer-major."""
+        return _page_views(self.gather(block_ids))
+
+    @contextlib.contextmanager
+    def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
+        """Host pages to receive these blocks into; written to the cache when the block exits
+        without an exception (a failed transfer leaves the cache as it was)."""
+        staged = self._host_empty(len(block_ids))
+        self._index(block_ids)  # refuse bad ids before any byte arrives
+        yield _page_views(staged)
+        self.scatter(block_ids, staged)
+
+    def host_memory(self) -> "HostKVMemory":
+        """The cache's own memory, for a transport that registers it and moves bytes in place."""
+        if self.device.type != "cpu":
+            raise KVLayoutError(
+                f"the KV cache is on {self.device}: the 'mooncake' P/D backend moves bytes in place "
+                "through host addresses, so it serves only a cache in host memory; use "
+                "kv_transfer.backend: tcp (host-staged, any device)")
+        return HostKVMemory(self._layers, self.num_blocks, self.page_bytes)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        for block in block_ids:
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(f"block {block} outside [0, {self.num_blocks})")
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def _host_empty(self, blocks: int) -> torch.Tensor:
+        # Pinned memory lets device copies run asynchronously (and is what a NIC can DMA).
+        return torch.empty((self.num_layers, blocks, self.page_bytes), dtype=torch.uint8,
+                           pin_memory=self.device.type == "cuda")
+
+    @contextlib.contextmanager
+    def _fenced(self) -> Iterator[None]:
+        """Run device copies on a side stream (never behind the engine's forward pass on the
+        default stream) and wait for them before returning; on CPU, just run them."""
+        if self.device.type != "cuda":
+            yield
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        # Whatever the current stream of this thread queued on the cache comes first.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+
+class HostKVMemory:
+    """Pages as views of a host-memory cache, in place (the "mooncake" backend registers
+    `regions()` once and moves bytes between addresses). Same page order and sizes as KVPages."""
+
+    def __init__(self, layers: list[_Layer], num_blocks: int, page_bytes: int):
+        for layer in layers:
+            if not layer.tensor[(*(0 for _ in layer.leading), 0)].is_contiguous():
+                raise KVLayoutError(
+                    f"KV cache {tuple(layer.tensor.shape)} (strides {tuple(layer.tensor.stride())}) has "
+                    "strided blocks, which the 'mooncake' backend cannot address in place; use "
+                    "kv_transfer.backend: tcp")
+        self._layers = layers
+        self.num_layers, self.num_blocks, self.page_bytes = len(layers), num_blocks, page_bytes
 
     def regions(self) -> list[tuple[int, int]]:
-        """(address, nbytes) spanned by each layer's cache, for transports that register memory."""
+        """(address, nbytes) spanned by each layer's cache."""
         return [(layer.tensor.data_ptr(), _span_bytes(layer.tensor)) for layer in self._layers]
 
     def pages(self, block_ids: list[int]) -> list[memoryview]:
-        """The byte segments of these blocks: layer-major, then block, then segment."""
+        """One view per (layer, block, leading index), layer-major: a block of a K/V split
+        layout is two runs of bytes."""
         for block in block_ids:
             if not 0 <= block < self.num_blocks:
                 raise ValueError(f"block {block} outside [0, {self.num_blocks})")
@@ -79,6 +208,16 @@ class KVPages:
                     out.append(memoryview(segment.view(torch.uint8).numpy()).cast("B"))
         return out
 
+    @contextlib.contextmanager
+    def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
+        yield self.pages(block_ids)
+
+
+def _page_views(staged: torch.Tensor) -> list[memoryview]:
+    flat = memoryview(staged.numpy()).cast("B")  # host staging of ours, never engine memory
+    page = staged.shape[-1]
+    return [flat[i * page:(i + 1) * page] for i in range(staged.shape[0] * staged.shape[1])]
+
 
 def _describe(name: str, tensor: torch.Tensor, num_blocks: int | None) -> _Layer:
     if num_blocks is None or tensor.shape[0] == num_blocks:
@@ -89,25 +228,16 @@ def _describe(name: str, tensor: torch.Tensor, num_blocks: int | None) -> _Layer
         raise KVLayoutError(
             f"KV cache of {name} has shape {tuple(tensor.shape)}; neither dimension 0 nor 1 is the "
             f"engine's {num_blocks} blocks, so its pages cannot be addressed (unknown backend layout)")
-    leading = tuple(int(n) for n in tensor.shape[:block_dim])
-    example = tensor[(*(0 for _ in leading), 0)]
-    if not example.is_contiguous():
+    if tensor.dim() < 2 or tensor.stride(-1) != 1:
         raise KVLayoutError(
-            f"KV cache of {name} has non-contiguous blocks (shape {tuple(tensor.shape)}, strides "
-            f"{tuple(tensor.stride())}); a page must be a contiguous run of bytes")
-    return _Layer(tensor, block_dim, leading)
-
-
-def _segments(layer: _Layer) -> int:
-    count = 1
-    for n in layer.leading:
-        count *= n
-    return count
+            f"KV cache of {name} has shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())}; "
+            "its innermost dimension must be dense to be read as bytes")
+    return _Layer(tensor, tensor.view(torch.uint8), block_dim)
 
 
 def _block_bytes(layer: _Layer) -> int:
-    per_segment = layer.tensor[(*(0 for _ in layer.leading), 0)].numel() * layer.tensor.element_size()
-    return per_segment * _segments(layer)
+    per_block = layer.tensor.numel() // int(layer.tensor.shape[layer.block_dim])
+    return per_block * layer.tensor.element_size()
 
 
 def _span_bytes(tensor: torch.Tensor) -> int:

@@ -377,7 +377,7 @@ class MooncakePoolStore:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             raise PoolUnavailable("the KV pool needs Mooncake Store: pip install "
-                                  "mooncake-transfer-engine (-non-cuda on CPU machines)") from exc
+                                  "mooncake-transfer-engine-cuda13 (-non-cuda on CPU machines)") from exc
         s = self.settings
         if not self._master_port_open():  # setup() against no master blocks ~90 s
             raise PoolUnavailable(f"Mooncake master {s.master_address} does not accept connections")

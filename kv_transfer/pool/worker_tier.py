@@ -1,11 +1,12 @@
 """The pool, seen from vLLM's worker: move whole blocks between the KV cache and the pool.
 
 A block travels as one object (`objects`): a 64-byte header, then the block's page of every
-layer, gathered into a registered staging buffer for a put and scattered from it after a get.
-The staging copy costs one memcpy of the block on each side; what it buys is that nothing
-reaches the KV cache before its header and checksum are verified, and that the pool never
-sees memory vLLM may reuse. Loads and stores have a staging buffer each, so a long store
-never delays a load.
+layer. A chunk of blocks is gathered from the KV cache into a registered staging buffer for a
+put, and scattered from it after a get, with one batched copy per layer (kv_pages.KVPages, on
+the cache's device; the staging is pinned when that is a GPU). The staging copy costs one copy
+of the block on each side; what it buys is that nothing reaches the KV cache before its header
+and checksum are verified, and that the pool never sees memory vLLM may reuse. Loads and
+stores have a staging buffer each, so a long store never delays a load.
 
 Failures: `PoolUnavailable` from the store, `CorruptObject` from verification, a missing
 object: a load raises (the connector reports the request's load failed and vLLM recomputes
@@ -21,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-import numpy as np
+import torch
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.pool.health import PoolHealth
@@ -76,16 +77,18 @@ class PoolWorker:
         self._counts = PoolCounts()
         self._pages = None
         self._layout: BlockLayout | None = None
-        self._staging: dict[str, tuple[np.ndarray, threading.Lock]] = {}
+        self._staging: dict[str, tuple[torch.Tensor, threading.Lock]] = {}
         self._registered_with: PoolStore | None = None
 
     def attach(self, pages) -> None:
-        """Called once the KV cache exists (register_kv_caches)."""
+        """Called once the KV cache exists (register_kv_caches); `pages`: kv_pages.KVPages."""
         self._pages = pages
         self._layout = BlockLayout(pages.num_layers, pages.page_bytes)
         blocks = max(1, self._staging_bytes // self._layout.object_bytes)
+        pinned = pages.device.type == "cuda"  # device copies to and from it run asynchronously
         for purpose in ("load", "store"):
-            self._staging[purpose] = (np.zeros(blocks * self._layout.object_bytes, np.uint8), threading.Lock())
+            buffer = torch.zeros(blocks * self._layout.object_bytes, dtype=torch.uint8, pin_memory=pinned)
+            self._staging[purpose] = (buffer, threading.Lock())
         # Join the pool (and mount this engine's segment) while the engine starts, not on the
         # first request, whose lookup would find the client still connecting.
         store = self._store_factory()
@@ -125,25 +128,26 @@ class PoolWorker:
                     load_seconds_total=time.perf_counter() - started)
         return nbytes
 
-    def _load_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray,
+    def _load_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: torch.Tensor,
                     later: Sequence[PoolBlock] = ()) -> int:
         size = self._layout.object_bytes
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
-        base = buffer.ctypes.data
+        base = buffer.data_ptr()
         got = store.get_into(keys, [base + i * size for i in range(len(chunk))], [size] * len(chunk))
-        view = memoryview(buffer)
+        view = memoryview(buffer.numpy())  # our staging buffer (host), never engine memory
         for i, (block, key, read) in enumerate(zip(chunk, keys, got)):
             if read != size:
                 raise PoolLoadFailed(f"pool object {key} missing or unreadable (read {read} of {size} B)")
             try:
-                payload = verify(view[i * size:(i + 1) * size], key, block.token_digest, self._layout)
+                verify(view[i * size:(i + 1) * size], key, block.token_digest, self._layout)
             except KVTransferError:
                 self._count(corrupt_objects_total=1)
                 # This block and the ones after it are recomputed and stored again; a store
                 # skips keys the pool holds, so they must go (the rest may be corrupt too).
                 self._drop_corrupt(store, keys[i:] + [self._keys.key(b.block_hash, self._rank) for b in later])
                 raise
-            self._scatter(payload, block.block_id)
+        # Every object of the chunk verified: into the cache in one batched copy per layer.
+        self._pages.scatter([b.block_id for b in chunk], self._payloads(buffer, len(chunk)))
         return len(chunk) * self._layout.payload_bytes
 
     def _drop_corrupt(self, store: PoolStore, keys: list[str]) -> None:
@@ -181,7 +185,7 @@ class PoolWorker:
         KV is not: see kv_transfer.pool.store_queue)."""
         self._count(stores_shed_total=1, blocks_shed_total=len(blocks))
 
-    def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: np.ndarray) -> int:
+    def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: torch.Tensor) -> int:
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
         present = store.exists(keys)
         todo = [(i, b, k) for i, (b, k, p) in enumerate(zip(chunk, keys, present)) if not p]
@@ -189,12 +193,12 @@ class PoolWorker:
         if not todo:
             return 0
         size = self._layout.object_bytes
-        view = memoryview(buffer)
-        base = buffer.ctypes.data
+        self._payloads(buffer, len(todo)).copy_(self._pages.gather([block.block_id for _, block, _ in todo]))
+        view = memoryview(buffer.numpy())
+        base = buffer.data_ptr()
         for slot, (_, block, key) in enumerate(todo):
             obj = view[slot * size:(slot + 1) * size]
             payload = obj[HEADER_BYTES:]
-            self._gather(block.block_id, payload)
             obj[:HEADER_BYTES] = encode_header(key, block.token_digest, self._layout, payload_checksum(payload))
         ok = store.put_from([k for _, _, k in todo], [base + slot * size for slot in range(len(todo))],
                             [size] * len(todo))
@@ -224,7 +228,7 @@ class PoolWorker:
         store = self._store_factory()
         if store is not self._registered_with:  # a new client (first use, or after a reconnect)
             for buffer, _ in self._staging.values():
-                store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+                store.register_buffer(buffer.data_ptr(), buffer.nbytes)
             self._registered_with = store
         return store
 
@@ -235,17 +239,12 @@ class PoolWorker:
         with lock:
             yield buffer, buffer.nbytes // self._layout.object_bytes
 
-    def _gather(self, block_id: int, payload: memoryview) -> None:
-        offset = 0
-        for segment in self._pages.pages([block_id]):
-            payload[offset:offset + segment.nbytes] = segment
-            offset += segment.nbytes
-
-    def _scatter(self, payload: memoryview, block_id: int) -> None:
-        offset = 0
-        for segment in self._pages.pages([block_id]):
-            segment[:] = payload[offset:offset + segment.nbytes]
-            offset += segment.nbytes
+    def _payloads(self, buffer: torch.Tensor, count: int) -> torch.Tensor:
+        """The payloads of the first `count` objects in `buffer` as [layers, count, page_bytes]
+        (KVPages' gather/scatter shape): a strided view, each object's header left out."""
+        layout = self._layout
+        objects = buffer[:count * layout.object_bytes].view(count, layout.object_bytes)
+        return objects[:, HEADER_BYTES:].view(count, layout.num_layers, layout.page_bytes).transpose(0, 1)
 
     def _down(self, exc: Exception) -> None:
         first = self._health.up

@@ -145,6 +145,9 @@ class TransportBackend:
     name: ClassVar[str]
     server_cls: ClassVar[type[TransferServer]]
     client_cls: ClassVar[type[TransferClient]]
+    # True: pages are the engine's own memory, registered and moved in place (kv_pages.HostKVMemory);
+    # False: pages are host copies the connector stages (kv_pages.KVPages, any device).
+    moves_engine_memory: ClassVar[bool] = False
 
     @classmethod
     def server(cls, host: str, port: int, source: PageSource, on_release: Callable[[str], None],

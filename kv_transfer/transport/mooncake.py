@@ -13,7 +13,7 @@ The server registers a source's `regions()` once at start (else each page on fir
 the client registers a sink's `regions()` in `register_sink` (else each dest page on first
 use). The lease is checked when the pages are described, not when Mooncake reads them, so the
 client treats a read that ends after its deadline as failed (the blocks may have been reused).
-Needs the `mooncake-transfer-engine` wheel (`-non-cuda` on CPU), imported only when this
+Needs the `mooncake-transfer-engine-non-cuda` wheel on CPU (`-cuda13` on GPUs), imported only when this
 backend is chosen.
 """
 
@@ -23,7 +23,7 @@ try:
     import mooncake.engine  # noqa: F401  (fail when the backend is chosen, not at first pull)
 except ImportError as exc:
     raise ImportError("the 'mooncake' KV transport needs Mooncake's transfer engine: pip install "
-                      "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA), "
+                      "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine-cuda13 (CUDA), "
                       f"or choose kv_transfer.backend: tcp ({exc})") from exc
 
 from kv_transfer.transport import register_backend
@@ -36,3 +36,4 @@ from kv_transfer.transport.mooncake_server import MooncakeTransferServer
 class MooncakeBackend(TransportBackend):
     server_cls = MooncakeTransferServer
     client_cls = MooncakeTransferClient
+    moves_engine_memory = True  # so a host-memory cache only, until device memory is registered

@@ -1,6 +1,6 @@
 """Worker side of the KV connector: two WorkerSides (prefill and decode) in one process, talking
-over the real "tcp" transport on 127.0.0.1, each serving a bytearray-backed page store that
-implements KVPages' interface (pages, num_layers, num_blocks, page_bytes).
+over the real "tcp" transport on 127.0.0.1, each over the real KVPages of small CPU caches in a
+GPU-shaped (K/V split) layout.
 
 The prefill side gets LeaseGrants and the decode side PullJobs exactly as the scheduler side
 ships them (StepPlan); results() is polled the way vLLM polls get_finished each step. Both sides
@@ -8,16 +8,17 @@ hold the application's grant secret and only the prefill side lends KV; transfer
 signed as that prefill's scheduler side signs them (kv_grant_fakes.signed).
 """
 
-import random
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 import kv_transfer.connector_worker as connector_worker
 from kv_transfer.connector_scheduler import LeaseGrant, PullJob, StepPlan
+from kv_transfer.kv_pages import KVPages
 from kv_transfer.leases import LeaseTable
 from kv_transfer.params import TransferParams
 from kv_transfer.settings import ConnectorSettings
@@ -29,26 +30,24 @@ HOST = "127.0.0.1"
 WAIT_S = 5.0  # upper bound on any background step here; they take milliseconds
 
 
-class BytePages:
-    """KVPages' interface over bytearrays: LAYERS x BLOCKS pages of PAGE_BYTES, layer-major."""
-
-    num_layers = LAYERS
-    num_blocks = BLOCKS
-    page_bytes = PAGE_BYTES
+class BytePages(KVPages):
+    """The connector's real KVPages over LAYERS caches of BLOCKS blocks in a GPU-shaped layout
+    (K and V split before the block dimension, as vLLM's K/V-split backends lay it out), on CPU:
+    the staged gather/scatter path a CUDA engine runs, with PAGE_BYTES per (layer, block)."""
 
     def __init__(self, seed: int | None = None):
-        rng = random.Random(seed)
-        self.data = [[bytearray(rng.randbytes(PAGE_BYTES)) if seed is not None else bytearray(PAGE_BYTES)
-                      for _ in range(BLOCKS)] for _ in range(LAYERS)]
-
-    def pages(self, block_ids: list[int]) -> list[memoryview]:
-        for block in block_ids:
-            if not 0 <= block < BLOCKS:
-                raise ValueError(f"block {block} outside [0, {BLOCKS})")
-        return [memoryview(self.data[layer][block]) for layer in range(LAYERS) for block in block_ids]
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        shape = (2, BLOCKS, PAGE_BYTES // 8, 4)  # [K|V, blocks, ..., ...] of bytes
+        self.caches = {
+            f"model.layers.{layer}.self_attn.attn":
+                torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) if seed is not None
+                else torch.zeros(shape, dtype=torch.uint8)
+            for layer in range(LAYERS)}
+        super().__init__(self.caches, num_blocks=BLOCKS)
 
     def block(self, block_id: int) -> list[bytes]:
-        return [bytes(self.data[layer][block_id]) for layer in range(LAYERS)]
+        """Every layer's bytes of one block, read from the caches themselves."""
+        return [bytes(self.gather([block_id])[layer, 0].numpy()) for layer in range(LAYERS)]
 
 
 def free_port() -> int:
@@ -228,6 +227,8 @@ def test_remote_error_fails_the_pull_and_releases(prefill, decode):
     assert received.failed == {"d-1"}
     assert untouched(decode, range(BLOCKS))
     assert decode.worker.stats()["fallbacks_total"] == 1
+    # The finished request says its pull failed (the P/D client then releases the lease too).
+    assert decode.worker.take_load_times()["d-1"].pull_failed
     assert collect(prefill, lambda r: "p-1" in r.sending).sending == {"p-1"}
 
 

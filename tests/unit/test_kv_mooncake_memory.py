@@ -72,11 +72,11 @@ def test_kv_pages_regions_span_each_layer():
     from kv_transfer.kv_pages import KVPages
 
     buffer = torch.zeros(2, 8, 2, 4, 16, dtype=torch.bfloat16)  # [layers, blocks, heads, 2*bs, head]
-    pages = KVPages({"model.layers.1.attn": buffer[1], "model.layers.0.attn": buffer[0]})
+    memory = KVPages({"model.layers.1.attn": buffer[1], "model.layers.0.attn": buffer[0]}).host_memory()
     layer_bytes = 8 * 2 * 4 * 16 * 2
-    assert pages.regions() == [(buffer[0].data_ptr(), layer_bytes), (buffer[1].data_ptr(), layer_bytes)]
+    assert memory.regions() == [(buffer[0].data_ptr(), layer_bytes), (buffer[1].data_ptr(), layer_bytes)]
     strided = torch.zeros(8, 2, 64, dtype=torch.uint8)[:, 0]  # blocks contiguous, layer not
-    assert KVPages({"layers.0": strided}).regions() == [(strided.data_ptr(), 7 * 128 + 64)]
+    assert KVPages({"layers.0": strided}).host_memory().regions() == [(strided.data_ptr(), 7 * 128 + 64)]
 
 
 def test_plan_reads_merges_only_adjacent_pages_in_regions():

@@ -202,13 +202,18 @@ def test_kv_pages_of_torch_caches_round_trip(backend):
 
     prefill_buf = torch.randn(2, BLOCKS, 2, 32, 16, generator=torch.Generator().manual_seed(0))
     decode_buf = torch.zeros_like(prefill_buf)
-    source = KVPages({f"model.layers.{i}.attn": prefill_buf[i] for i in range(2)})
-    sink = KVPages({f"model.layers.{i}.attn": decode_buf[i] for i in range(2)})
+
+    def as_the_connector_serves(pages):  # kv_transfer.connector_worker.WorkerSide.register
+        return pages.host_memory() if backend.moves_engine_memory else pages
+
+    source = as_the_connector_serves(KVPages({f"model.layers.{i}.attn": prefill_buf[i] for i in range(2)}))
+    sink = as_the_connector_serves(KVPages({f"model.layers.{i}.attn": decode_buf[i] for i in range(2)}))
     client = GrantingClient(backend.client(), BLOCKS)  # its own: the sink's regions stay registered with its engine
     client.register_sink(sink)
     served = Served(backend, source)
     try:
-        client.fetch(*served.address, "req-t", [4, 2], sink.pages([0, 11]), 5.0)
+        with sink.receiving([0, 11]) as dest:
+            client.fetch(*served.address, "req-t", [4, 2], dest, 5.0)
     finally:
         served.server.stop()
         client.close()

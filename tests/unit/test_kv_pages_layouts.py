@@ -1,6 +1,7 @@
-"""The page map on every KV layout vLLM's backends hand a connector: CPU GQA (LBHNC), MLA's
-single latent per token, FlashAttention's K/V split before the block dimension. A copy of
-the listed segments from one cache into another must copy exactly the named blocks."""
+"""KVPages on every KV layout vLLM's backends hand a connector: CPU GQA (LBHNC), CUDA GQA's
+token-major blocks (LBNHC: a block view that is not contiguous), MLA's single latent per token,
+a K/V split before the block dimension. Gathering blocks from one cache and scattering them into
+another must copy exactly the named blocks, whatever either side's physical layout."""
 
 from __future__ import annotations
 
@@ -9,19 +10,27 @@ import torch
 
 from kv_transfer.kv_pages import KVLayoutError, KVPages
 
-BLOCKS = 6
+BLOCKS, LAYERS = 6, 3
+HEADS, BLOCK_SIZE, HEAD_DIM = 2, 16, 32
 
 
-def _caches(shape, layers=3, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=generator) for i in range(layers)}
+def _lbnhc(generator=None) -> torch.Tensor:
+    """CUDA's default for GQA in vLLM 0.32: [blocks, heads, tokens, dim] view of a token-major buffer."""
+    buffer = torch.randn(BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, generator=generator)
+    return buffer.permute(0, 2, 1, 3)
 
 
 LAYOUTS = {
-    "cpu_gqa_lbhnc": (BLOCKS, 2, 2 * 16, 32),  # [blocks, kv_heads, 2*block, head]
-    "mla_latent": (BLOCKS, 16, 576),  # [blocks, block, kv_lora_rank + rope]
-    "flash_attn_kv_split": (2, BLOCKS, 16, 2, 32),  # [K|V, blocks, block, kv_heads, head]
+    "cpu_gqa_lbhnc": lambda g: torch.randn(BLOCKS, HEADS, 2 * BLOCK_SIZE, HEAD_DIM, generator=g),
+    "cuda_gqa_lbnhc": _lbnhc,
+    "mla_latent": lambda g: torch.randn(BLOCKS, BLOCK_SIZE, 576, generator=g),
+    "kv_split": lambda g: torch.randn(2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, generator=g),
 }
+
+
+def _caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": LAYOUTS[layout](generator) for i in range(LAYERS)}
 
 
 def _block(tensor: torch.Tensor, block: int) -> torch.Tensor:
@@ -29,16 +38,12 @@ def _block(tensor: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_copying_segments_copies_exactly_the_named_blocks(layout):
-    shape = LAYOUTS[layout]
-    source_caches, sink_caches = _caches(shape, seed=1), _caches(shape, seed=2)
+def test_gather_then_scatter_copies_exactly_the_named_blocks(layout):
+    source_caches, sink_caches = _caches(layout, seed=1), _caches(layout, seed=2)
     untouched = {name: t.clone() for name, t in sink_caches.items()}
     source, sink = KVPages(source_caches, BLOCKS), KVPages(sink_caches, BLOCKS)
     remote, local = [4, 1], [0, 5]
-    src, dst = source.pages(remote), sink.pages(local)
-    assert len(src) == len(dst) == 3 * 2 * source.segments_per_page
-    for s, d in zip(src, dst):
-        d[:] = s
+    sink.scatter(local, source.gather(remote))
     for name in source_caches:
         for r, l in zip(remote, local):
             assert torch.equal(_block(sink_caches[name], l), _block(source_caches[name], r)), (name, r, l)
@@ -46,15 +51,42 @@ def test_copying_segments_copies_exactly_the_named_blocks(layout):
             assert torch.equal(_block(sink_caches[name], other), _block(untouched[name], other))
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_pages_received_into_reach_the_cache_only_when_the_transfer_succeeds(layout):
+    source, sink_caches = KVPages(_caches(layout, seed=3), BLOCKS), _caches(layout, seed=4)
+    sink = KVPages(sink_caches, BLOCKS)
+    before = {name: t.clone() for name, t in sink_caches.items()}
+    sent = source.pages([2, 3])
+    assert len(sent) == LAYERS * 2 and all(p.nbytes == source.page_bytes for p in sent)
+    with pytest.raises(ConnectionError):
+        with sink.receiving([0, 1]) as dest:
+            dest[0][:] = sent[0]
+            raise ConnectionError("peer went away mid-transfer")
+    assert all(torch.equal(sink_caches[n], before[n]) for n in sink_caches)
+    with sink.receiving([0, 1]) as dest:
+        for d, s in zip(dest, sent):
+            d[:] = s
+    assert torch.equal(sink.gather([0, 1]), source.gather([2, 3]))
+
+
+def test_engines_with_different_physical_layouts_exchange_valid_blocks():
+    """Bytes travel in the view's logical order, so a token-major cache and a head-major one of
+    the same shape agree on what a block holds."""
+    token_major = _caches("cuda_gqa_lbnhc", seed=5)
+    head_major = {name: torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM) for name in token_major}
+    KVPages(head_major, BLOCKS).scatter([3], KVPages(token_major, BLOCKS).gather([1]))
+    assert all(torch.equal(head_major[name][3], token_major[name][1]) for name in token_major)
+
+
 def test_page_bytes_count_every_segment_of_one_block():
-    assert KVPages(_caches(LAYOUTS["mla_latent"]), BLOCKS).page_bytes == 16 * 576 * 4
-    split = KVPages(_caches(LAYOUTS["flash_attn_kv_split"]), BLOCKS)
-    assert split.page_bytes == 2 * 16 * 2 * 32 * 4 and split.segments_per_page == 2
-    assert split.num_blocks == BLOCKS
+    assert KVPages(_caches("mla_latent", 0), BLOCKS).page_bytes == BLOCK_SIZE * 576 * 4
+    split = KVPages(_caches("kv_split", 0), BLOCKS)
+    assert split.page_bytes == 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 4 and split.num_blocks == BLOCKS
+    assert split.gather([0, 1]).shape == (LAYERS, 2, split.page_bytes)
 
 
 def test_layers_sharing_one_cache_are_listed_once():
-    shared = torch.zeros(LAYOUTS["mla_latent"])
+    shared = torch.zeros(BLOCKS, BLOCK_SIZE, 576)
     pages = KVPages({"model.layers.0.attn": shared, "model.layers.1.attn": shared}, BLOCKS)
     assert pages.num_layers == 1
 
@@ -64,7 +96,29 @@ def test_a_layout_without_a_block_dimension_is_refused_naming_the_shape():
         KVPages({"model.layers.0.attn": torch.zeros(3, 4, 16, 576)}, num_blocks=BLOCKS)
 
 
-def test_non_contiguous_blocks_are_refused():
-    permuted = torch.zeros(BLOCKS, 16, 2, 32).permute(0, 2, 1, 3)  # HND view of an NHD buffer
-    with pytest.raises(KVLayoutError, match="non-contiguous"):
-        KVPages({"model.layers.0.attn": permuted}, BLOCKS)
+def test_blocks_outside_the_cache_are_refused_before_any_copy():
+    pages = KVPages(_caches("mla_latent", 0), BLOCKS)
+    with pytest.raises(ValueError, match="outside"):
+        pages.gather([BLOCKS])
+    with pytest.raises(ValueError, match="outside"):
+        with pages.receiving([-1]):
+            pass
+
+
+def test_in_place_host_memory_refuses_what_it_cannot_address():
+    """The mooncake backend moves bytes in place: strided blocks and device caches are refused
+    when the engine starts, naming the fix, instead of failing every transfer."""
+    with pytest.raises(KVLayoutError, match="backend: tcp"):
+        KVPages(_caches("cuda_gqa_lbnhc", 0), BLOCKS).host_memory()
+    on_device = {"model.layers.0.attn": torch.empty(BLOCKS, BLOCK_SIZE, 576, device="meta")}
+    with pytest.raises(KVLayoutError, match="on meta"):
+        KVPages(on_device, BLOCKS).host_memory()
+
+
+def test_in_place_pages_are_views_of_the_cache():
+    caches = _caches("kv_split", 7)
+    memory = KVPages(caches, BLOCKS).host_memory()
+    views = memory.pages([2])
+    assert len(views) == LAYERS * 2  # K and V apart: two runs of bytes per (layer, block)
+    views[0][:] = bytes(views[0].nbytes)
+    assert torch.count_nonzero(caches["model.layers.0.self_attn.attn"][0, 2]) == 0

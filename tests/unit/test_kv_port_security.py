@@ -57,7 +57,8 @@ def grant_of(side: Side, request_id: str, lease_block_ids, **kwargs) -> bytes:
 def read(client, side: Side, request_id: str, block_ids, grant: bytes, timeout_s: float = 2.0) -> BytePages:
     """READ `block_ids` of `request_id` from `side`, into blocks of the same ids of a fresh sink."""
     sink = BytePages()
-    client.fetch(HOST, side.port, request_id, list(block_ids), sink.pages(list(block_ids)), timeout_s, grant)
+    with sink.receiving(list(block_ids)) as dest:
+        client.fetch(HOST, side.port, request_id, list(block_ids), dest, timeout_s, grant)
     return sink
 
 
