@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.host_staging import HostStaging
+
 
 class KVLayoutError(ValueError):
     """A KV cache tensor whose blocks this adapter cannot address."""
@@ -45,17 +47,16 @@ class KVLayoutError(ValueError):
 @dataclass(frozen=True)
 class _Layer:
     tensor: torch.Tensor  # the engine's cache (its own dtype and shape)
-    data: torch.Tensor  # the same memory as bytes: the last dimension times the element size
     block_dim: int  # 0: block-major; 1: a leading split (K/V) before the block dimension
+    # The cache as rows of whole words: [blocks, words] (block-major) or [split, blocks, words],
+    # one row per block (per split segment), in memory order, in the widest integer type that
+    # tiles them. Row copies (index_select/index_copy_) of these run at memcpy speed, where the
+    # same copies of a multi-dimensional or byte view crawl element by element.
+    rows: torch.Tensor
 
     @property
     def leading(self) -> tuple[int, ...]:
         return tuple(int(n) for n in self.tensor.shape[:self.block_dim])
-
-    def block_shape(self) -> tuple[int, ...]:
-        """The byte shape of one block, leading dimensions first (how gather lays it out)."""
-        rest = self.data.shape[self.block_dim + 1:]
-        return (*self.data.shape[:self.block_dim], *rest)
 
 
 class KVPages:
@@ -78,6 +79,8 @@ class KVPages:
                     f"KV caches differ between layers ({tuple(layer.tensor.shape)} on {layer.tensor.device} "
                     f"vs {self.page_bytes} B per block on {self.device}): one page size per engine is assumed")
         self._stream = None  # CUDA: the side stream copies run on (made on first use)
+        # Pinned on CUDA: device copies to and from it run asynchronously (and a NIC can DMA it).
+        self._staging = HostStaging(pinned=self.device.type == "cuda")
 
     @property
     def num_layers(self) -> int:
@@ -96,45 +99,60 @@ class KVPages:
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of these blocks: uint8 [layers, len(block_ids), page_bytes]."""
+        return self._gather_into(self._staging.take(self._staged_shape(len(block_ids))), block_ids)
+
+    @contextlib.contextmanager
+    def gathered(self, block_ids: list[int]) -> Iterator[torch.Tensor]:
+        """`gather` into a reused staging buffer, given back when the block exits."""
+        with self._staging.lease(self._staged_shape(len(block_ids))) as staged:
+            yield self._gather_into(staged, block_ids)
+
+    def _gather_into(self, out: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         index = self._index(block_ids)
-        out = self._host_empty(len(block_ids))
+        count = len(block_ids)
         with self._fenced():
             for i, layer in enumerate(self._layers):
-                picked = layer.data.index_select(layer.block_dim, index)
+                dest = out[i].view(layer.rows.dtype).view(count, *layer.leading, -1)
+                if layer.block_dim == 0 and self.device.type == "cpu":
+                    torch.index_select(layer.rows, 0, index, out=dest)  # straight into staging
+                    continue
+                picked = layer.rows.index_select(layer.block_dim, index)
                 if layer.block_dim:
-                    picked = picked.movedim(layer.block_dim, 0)
-                out[i].copy_(picked.reshape(len(block_ids), -1), non_blocking=True)
+                    picked = picked.movedim(layer.block_dim, 0)  # (block, segment): one page per block
+                dest.copy_(picked, non_blocking=True)
         return out
 
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write [layers, len(block_ids), page_bytes] bytes (any host tensor; pinned on CUDA
         for an asynchronous copy) into these blocks; returns once they are in the cache."""
         index = self._index(block_ids)
-        expected = (self.num_layers, len(block_ids), self.page_bytes)
+        count = len(block_ids)
+        expected = (self.num_layers, count, self.page_bytes)
         if tuple(blocks.shape) != expected or blocks.dtype != torch.uint8:
             raise ValueError(f"scatter needs uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
         with self._fenced():
             for i, layer in enumerate(self._layers):
-                part = blocks[i].to(self.device, non_blocking=True)
-                shaped = part.reshape(len(block_ids), *layer.block_shape())
+                part = _as_words(blocks[i], layer.rows.dtype).view(count, *layer.leading, -1)
+                part = part.to(self.device, non_blocking=True)
                 if layer.block_dim:
-                    shaped = shaped.movedim(0, layer.block_dim)
-                layer.data.index_copy_(layer.block_dim, index, shaped)
+                    part = part.movedim(0, layer.block_dim)
+                layer.rows.index_copy_(layer.block_dim, index, part)
 
     # -- what the transports see ------------------------------------------------------------
 
     def pages(self, block_ids: list[int]) -> list[memoryview]:
         """PageSource: a snapshot of these blocks as one page per (layer, block), layer-major."""
-        return _page_views(self.gather(block_ids))
+        staged = self.gather(block_ids)
+        return _page_views(self._staging.views_until_dropped(staged), staged.shape)
 
     @contextlib.contextmanager
     def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
         """Host pages to receive these blocks into; written to the cache when the block exits
         without an exception (a failed transfer leaves the cache as it was)."""
-        staged = self._host_empty(len(block_ids))
         self._index(block_ids)  # refuse bad ids before any byte arrives
-        yield _page_views(staged)
-        self.scatter(block_ids, staged)
+        with self._staging.lease(self._staged_shape(len(block_ids))) as staged:
+            yield _page_views(memoryview(staged.numpy()).cast("B"), staged.shape)
+            self.scatter(block_ids, staged)
 
     def host_memory(self) -> "HostKVMemory":
         """The cache's own memory, for a transport that registers it and moves bytes in place."""
@@ -153,10 +171,8 @@ class KVPages:
                 raise ValueError(f"block {block} outside [0, {self.num_blocks})")
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
-    def _host_empty(self, blocks: int) -> torch.Tensor:
-        # Pinned memory lets device copies run asynchronously (and is what a NIC can DMA).
-        return torch.empty((self.num_layers, blocks, self.page_bytes), dtype=torch.uint8,
-                           pin_memory=self.device.type == "cuda")
+    def _staged_shape(self, blocks: int) -> tuple[int, int, int]:
+        return (self.num_layers, blocks, self.page_bytes)
 
     @contextlib.contextmanager
     def _fenced(self) -> Iterator[None]:
@@ -213,10 +229,10 @@ class HostKVMemory:
         yield self.pages(block_ids)
 
 
-def _page_views(staged: torch.Tensor) -> list[memoryview]:
-    flat = memoryview(staged.numpy()).cast("B")  # host staging of ours, never engine memory
-    page = staged.shape[-1]
-    return [flat[i * page:(i + 1) * page] for i in range(staged.shape[0] * staged.shape[1])]
+def _page_views(flat: memoryview, shape: tuple[int, ...]) -> list[memoryview]:
+    """One view per (layer, block) of host staging of ours (never engine memory)."""
+    layers, blocks, page = shape
+    return [flat[i * page:(i + 1) * page] for i in range(layers * blocks)]
 
 
 def _describe(name: str, tensor: torch.Tensor, num_blocks: int | None) -> _Layer:
@@ -228,11 +244,43 @@ def _describe(name: str, tensor: torch.Tensor, num_blocks: int | None) -> _Layer
         raise KVLayoutError(
             f"KV cache of {name} has shape {tuple(tensor.shape)}; neither dimension 0 nor 1 is the "
             f"engine's {num_blocks} blocks, so its pages cannot be addressed (unknown backend layout)")
-    if tensor.dim() < 2 or tensor.stride(-1) != 1:
+    segment = tensor[(0,) * (block_dim + 1)]  # one block (of one split half): [heads, tokens, dim]...
+    if not _dense(segment):
         raise KVLayoutError(
-            f"KV cache of {name} has shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())}; "
-            "its innermost dimension must be dense to be read as bytes")
-    return _Layer(tensor, tensor.view(torch.uint8), block_dim)
+            f"KV cache of {name} has shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())}: "
+            "a block is not one dense run of memory, so it cannot be copied as a row")
+    outer = tuple(int(n) for n in tensor.shape[:block_dim + 1])
+    rows = torch.as_strided(tensor, (*outer, segment.numel()),
+                            (*tensor.stride()[:block_dim + 1], 1), tensor.storage_offset())
+    return _Layer(tensor, block_dim, _widest_words(rows))
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements of `tensor` fill one run of memory exactly (in any dimension order)."""
+    expected = 1
+    for stride, size in sorted((int(s), int(n)) for n, s in zip(tensor.shape, tensor.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _widest_words(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` reinterpreted as the widest integers that tile every row and row start."""
+    row_bytes = rows.shape[-1] * rows.element_size()
+    starts = [rows.data_ptr(), *(s * rows.element_size() for s in rows.stride()[:-1])]
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row_bytes % width == 0 and all(x % width == 0 for x in starts):
+            return rows.view(torch.uint8).view(dtype)
+    return rows.view(torch.uint8)
+
+
+def _as_words(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [count, page_bytes] (possibly strided, as the pool's object views are) as `dtype`."""
+    try:
+        return blocks.view(dtype)
+    except RuntimeError:  # rows that do not start on a word boundary: copy once
+        return blocks.contiguous().view(dtype)
 
 
 def _block_bytes(layer: _Layer) -> int:

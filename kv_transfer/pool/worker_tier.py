@@ -193,7 +193,8 @@ class PoolWorker:
         if not todo:
             return 0
         size = self._layout.object_bytes
-        self._payloads(buffer, len(todo)).copy_(self._pages.gather([block.block_id for _, block, _ in todo]))
+        with self._pages.gathered([block.block_id for _, block, _ in todo]) as gathered:
+            self._payloads(buffer, len(todo)).copy_(gathered)  # each object: its header, then this
         view = memoryview(buffer.numpy())
         base = buffer.data_ptr()
         for slot, (_, block, key) in enumerate(todo):

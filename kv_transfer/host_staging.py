@@ -1,0 +1,81 @@
+"""Reused host buffers for the KV copies between an engine's cache and the transports.
+
+Fresh host memory costs a page fault per 4 KiB on first touch: gathering 67 MB of blocks into a
+new buffer took 55 ms on this 2-core machine, into a reused one 6.6 ms (a plain copy: ~6 ms).
+So staging buffers are kept and handed out again, by power-of-two size class, up to a bound on
+the bytes kept. On CUDA they are pinned (torch's host allocator caches pinned memory as well; the
+pool spares it the bookkeeping). A buffer comes back explicitly (`lease` as a context) or, for
+pages handed to a transport server, when the last view of it is gone (`views_until_dropped`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+MIN_CLASS_BYTES = 1 << 20
+MAX_KEPT_BYTES = 512 << 20  # per engine worker; a transfer larger than this is staged unpooled
+
+
+class HostStaging:
+    def __init__(self, pinned: bool, max_kept_bytes: int = MAX_KEPT_BYTES):
+        self._pinned = pinned
+        self._max_kept = max_kept_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._kept_bytes = 0
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A uint8 tensor of `shape` (contents undefined), from a kept buffer when one fits."""
+        nbytes = 1
+        for n in shape:
+            nbytes *= n
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            buffer = free.pop() if free else None
+            if buffer is not None:
+                self._kept_bytes -= size
+        if buffer is None:
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
+        return buffer[:nbytes].view(shape)
+
+    def give_back(self, staged: torch.Tensor) -> None:
+        buffer = staged._base if staged._base is not None else staged
+        size = buffer.numel()
+        with self._lock:
+            if size != _size_class(size) or self._kept_bytes + size > self._max_kept:
+                return  # not one of ours, or the pool is full: let it go
+            self._free.setdefault(size, []).append(buffer)
+            self._kept_bytes += size
+
+    @contextlib.contextmanager
+    def lease(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+        staged = self.take(shape)
+        try:
+            yield staged
+        finally:
+            self.give_back(staged)
+
+    def views_until_dropped(self, staged: torch.Tensor) -> memoryview:
+        """A byte view of `staged`; the buffer comes back once that view and every slice of it
+        are gone (a transport server drops the pages it sent)."""
+        array = staged.numpy()
+        weakref.finalize(array, self.give_back, staged)  # runs when the last view lets go of it
+        return memoryview(array).cast("B")
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return self._kept_bytes
+
+
+def _size_class(nbytes: int) -> int:
+    size = MIN_CLASS_BYTES
+    while size < nbytes:
+        size *= 2
+    return size
