@@ -8,6 +8,7 @@ hold the application's grant secret and only the prefill side lends KV; transfer
 signed as that prefill's scheduler side signs them (kv_grant_fakes.signed).
 """
 
+import os
 import socket
 import threading
 import time
@@ -26,6 +27,8 @@ from kv_transfer.transport import get_backend
 from tests.unit.kv_grant_fakes import SECRET, grant_for, signed
 
 LAYERS, BLOCKS, PAGE_BYTES = 3, 16, 2048
+# The same tests with the caches on a GPU (scripts/gpu_selfcheck.sh): MOE_SERVE_KV_TEST_DEVICE=cuda.
+KV_TEST_DEVICE = os.environ.get("MOE_SERVE_KV_TEST_DEVICE", "cpu")
 HOST = "127.0.0.1"
 WAIT_S = 5.0  # upper bound on any background step here; they take milliseconds
 
@@ -40,8 +43,8 @@ class BytePages(KVPages):
         shape = (2, BLOCKS, PAGE_BYTES // 8, 4)  # [K|V, blocks, ..., ...] of bytes
         self.caches = {
             f"model.layers.{layer}.self_attn.attn":
-                torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) if seed is not None
-                else torch.zeros(shape, dtype=torch.uint8)
+                (torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) if seed is not None
+                 else torch.zeros(shape, dtype=torch.uint8)).to(KV_TEST_DEVICE)
             for layer in range(LAYERS)}
         super().__init__(self.caches, num_blocks=BLOCKS)
 

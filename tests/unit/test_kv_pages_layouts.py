@@ -5,11 +5,15 @@ another must copy exactly the named blocks, whatever either side's physical layo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kv_transfer.kv_pages import KVLayoutError, KVPages
 
+# The same tests on a GPU (scripts/gpu_selfcheck.sh): MOE_SERVE_KV_TEST_DEVICE=cuda.
+DEVICE = torch.device(os.environ.get("MOE_SERVE_KV_TEST_DEVICE", "cpu"))
 BLOCKS, LAYERS = 6, 3
 HEADS, BLOCK_SIZE, HEAD_DIM = 2, 16, 32
 
@@ -30,7 +34,15 @@ LAYOUTS = {
 
 def _caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{i}.self_attn.attn": LAYOUTS[layout](generator) for i in range(LAYERS)}
+    return {f"model.layers.{i}.self_attn.attn": _on_device(LAYOUTS[layout](generator)) for i in range(LAYERS)}
+
+
+def _on_device(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` on DEVICE with the same strides (a token-major view stays one)."""
+    if DEVICE.type == "cpu":
+        return cache
+    moved = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device=DEVICE)
+    return moved.copy_(cache)
 
 
 def _block(tensor: torch.Tensor, block: int) -> torch.Tensor:
@@ -117,6 +129,7 @@ def test_in_place_host_memory_refuses_what_it_cannot_address():
         KVPages(on_device, BLOCKS).host_memory()
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="in-place pages exist only for a host-memory cache")
 def test_in_place_pages_are_views_of_the_cache():
     caches = _caches("kv_split", 7)
     memory = KVPages(caches, BLOCKS).host_memory()
