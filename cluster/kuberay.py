@@ -5,9 +5,10 @@ The RayService embeds the Serve config of cluster/serve_config.py (manifest inli
 controller, HTTP proxy, ingress replicas, the KV pool master) and one worker group per pool,
 named after it, whose pods carry the pool's node labels as Ray node labels and hold the GPUs its
 ranks reserve (cluster/kuberay_shape.py has the pod arithmetic). The manifest's `kubernetes`
-section supplies the image, namespace, secrets and sizes. Ray's token authentication is on
-(`authOptions`), the API keys come from a Secret, and `render_rayservice` adds the PodMonitor,
-PrometheusRule and NetworkPolicy of cluster/kuberay_extras.py. Every generated document is checked against
+section supplies the image, namespace, secrets and sizes, and its `rdma` part the engine pods'
+RDMA devices, capability, network and NCCL settings (cluster/kuberay_rdma.py). Ray's token
+authentication is on (`authOptions`), the API keys come from a Secret, and `render_rayservice`
+adds the PodMonitor, PrometheusRule and NetworkPolicy of cluster/kuberay_extras.py. Every generated document is checked against
 KubeRay's CRD schema (cluster/kuberay_validate.py) before it is returned.
 
 `python -m cluster.kuberay` rewrites manifests/kuberay/<name>.yaml for the GPU manifests.
@@ -25,6 +26,7 @@ import yaml
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.kuberay_extras import (APP_LABEL, CLIENT_PORT, DASHBOARD_PORT, GCS_PORT, METRICS_PORT, POOL_LABEL,
                                     network_policy, pod_monitor, prometheus_rule)
+from cluster.kuberay_rdma import rdma_env, rdma_header_lines, rdma_layout_issues, with_rdma
 from cluster.kuberay_shape import PodShape, pod_shapes
 from cluster.kuberay_validate import validate_rayservice
 from cluster.manifest import Manifest, parse_manifest
@@ -45,6 +47,10 @@ def rayservice_for_manifest(manifest: Manifest, serve_config: dict[str, Any]) ->
     ManifestError names the field and the fix when the manifest cannot be laid out as pods
     (no kubernetes.image, a proxy bound to localhost, ...) or the result would not validate."""
     _check_layout(manifest)
+    shapes = pod_shapes(manifest)
+    rdma_issues = rdma_layout_issues(manifest, shapes)
+    if rdma_issues:
+        raise ManifestError(f"{manifest.name} (kubernetes.rdma)", rdma_issues)
     k8s = manifest.kubernetes
     doc = {
         "apiVersion": "ray.io/v1",
@@ -58,7 +64,7 @@ def rayservice_for_manifest(manifest: Manifest, serve_config: dict[str, Any]) ->
                 "enableInTreeAutoscaling": manifest.autoscaled,
                 "authOptions": {"mode": "token"},  # Ray's token authentication; the operator keeps the token
                 "headGroupSpec": _head_group(manifest),
-                "workerGroupSpecs": [_worker_group(manifest, shape) for shape in pod_shapes(manifest)],
+                "workerGroupSpecs": [_worker_group(manifest, shape) for shape in shapes],
             },
         },
     }
@@ -178,7 +184,8 @@ def _worker_group(manifest: Manifest, shape: PodShape) -> dict:
     ports = [("metrics", METRICS_PORT)]
     if manifest.http.proxy_location == "EveryNode":
         ports.insert(0, ("serve", manifest.http.port))
-    container = _container(manifest, "ray-worker", ports, shape.num_cpus, shape.memory_gib, shape.num_gpus)
+    container = _container(manifest, "ray-worker", ports, shape.num_cpus, shape.memory_gib, shape.num_gpus,
+                           rdma_env(manifest))
     group = {
         "groupName": pool.name,
         "replicas": shape.replicas,
@@ -186,7 +193,8 @@ def _worker_group(manifest: Manifest, shape: PodShape) -> dict:
         "maxReplicas": shape.max_replicas,
         "labels": dict(pool.placement.node_labels),  # Ray node labels: the pool's placement selects them
         "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
-        "template": _pod_template(manifest, pool.name, container, worker=True),
+        "template": with_rdma(_pod_template(manifest, pool.name, container, worker=True),
+                              manifest.kubernetes.rdma, shape.num_gpus),
     }
     if pool.placement.resources:  # custom Ray resources, per pod = per rank x ranks in the pod
         group["resources"] = {name: f"{amount * shape.ranks_per_pod:g}"
@@ -195,7 +203,7 @@ def _worker_group(manifest: Manifest, shape: PodShape) -> dict:
 
 
 def _container(manifest: Manifest, name: str, ports: list[tuple[str, int]], cpus: float,
-               memory_gib: float, gpus: int) -> dict:
+               memory_gib: float, gpus: int, extra_env: dict[str, str] | None = None) -> dict:
     k8s = manifest.kubernetes
     amounts = {"cpu": _cpu_quantity(cpus), "memory": _memory_quantity(memory_gib)}
     if gpus:
@@ -210,18 +218,18 @@ def _container(manifest: Manifest, name: str, ports: list[tuple[str, int]], cpus
         "name": name,
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
-        "env": _env(manifest),
+        "env": _env(manifest, extra_env or {}),
         "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"} for port_name, port in ports],
         "resources": {"requests": dict(amounts), "limits": dict(amounts)},
         "volumeMounts": mounts,
     }
 
 
-def _env(manifest: Manifest) -> list[dict]:
+def _env(manifest: Manifest, extra: dict[str, str]) -> list[dict]:
     """Every pod gets the same variables: Serve may place an ingress replica on any node with a
-    free CPU, and each reads the API keys where it runs."""
+    free CPU, and each reads the API keys where it runs. Engine pods add `extra` (NCCL's)."""
     k8s = manifest.kubernetes
-    plain = {**NODE_ENVIRONMENT, **serve_environment(manifest.http), **k8s.env}
+    plain = {**NODE_ENVIRONMENT, **serve_environment(manifest.http), **k8s.env, **extra}
     env: list[dict] = [{"name": name, "value": value} for name, value in sorted(plain.items())]
     secrets = dict(sorted(k8s.secret_env.items()))
     if manifest.http.auth.api_keys_env:
@@ -276,6 +284,7 @@ def _header(doc: dict, manifest: Manifest | None, source: str) -> str:
                          f"--from-literal={k8s.api_keys_secret.key}=KEY1,KEY2   # the API keys, 16+ characters each")
         lines += [f"  kubectl -n {namespace} create secret generic {ref.name} --from-literal={ref.key}=...   # {name}"
                   for name, ref in sorted(k8s.secret_env.items())]
+        lines += rdma_header_lines(manifest)
         lines.append("(The KV transfer grant secret needs nothing: moe-serve makes one per application build.)")
     lines += ["Apply:  kubectl apply -f THIS_FILE",
               "Documents: the RayService" + (", a PodMonitor (Prometheus Operator) scraping Ray's metrics port 8080 "

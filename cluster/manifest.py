@@ -17,6 +17,7 @@ from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, a
 from cluster.manifest_http import HTTPSpec
 from cluster.manifest_kv import KVPoolSpec, KVTransferSpec, kv_connector_issues
 from cluster.manifest_kubernetes import KubernetesSpec
+from cluster.manifest_rdma import rdma_issues
 from cluster.manifest_routing import AdmissionSpec, RoutingSpec
 from cluster.manifest_timeouts import RequestTimeoutsSpec, timeout_issues
 
@@ -293,6 +294,7 @@ class Manifest(_Strict):
         problems.extend(kv_connector_issues(self))
         problems.extend(autoscaling_issues(self))
         problems.extend(timeout_issues(self))
+        problems.extend(rdma_issues(self))
         if self.local_cluster:
             node_names = [node.name for node in self.local_cluster.nodes]
             if len(set(node_names)) != len(node_names):

@@ -3,7 +3,8 @@
 The pools say what runs where in Ray terms; this section says how the Ray nodes become pods of a
 KubeRay RayService (cluster/kuberay.py): the image (it must hold moe-serve and vLLM, so there is
 no default), namespace, service account, pod sizes, where the checkpoint is mounted, which
-Kubernetes secrets feed the API keys and other variables, and who may reach the pods.
+Kubernetes secrets feed the API keys and other variables, who may reach the pods, and (`rdma`,
+cluster/manifest_rdma.py) the RDMA devices and settings of the engine pods.
 Everything but `image` has a default; `moe-serve deploy` and `up` ignore the section.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.manifest_rdma import RDMASpec
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"  # namespaces, service accounts (RFC 1123 label)
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"  # secret and claim names
@@ -112,3 +115,6 @@ class KubernetesSpec(_Strict):
     pod_monitor_labels: _Labels = Field(default_factory=dict)
     """Labels of the PodMonitor, so that your Prometheus's podMonitorSelector picks it (e.g.
     {release: kube-prometheus-stack})."""
+    rdma: RDMASpec | None = None
+    """RDMA for the engine worker pods (devices, IPC_LOCK, host or Multus network, NCCL env), so
+    that NCCL between pods and the KV transfer leave TCP; see cluster/manifest_rdma.py."""

@@ -100,7 +100,8 @@ def test_pd_ep_pods_per_group_follow_ranks_and_packing(generated):
         group = workers[name]
         assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (pods, pods, pods)
         limits = _container(group)["resources"]["limits"]
-        assert limits == {"cpu": "64", "memory": "1024Gi", "nvidia.com/gpu": "8"}  # 8 ranks x (8 CPUs, 1 GPU)
+        # 8 ranks x (8 CPUs, 1 GPU), and the example's RDMA device (kubernetes.rdma) per pod
+        assert limits == {"cpu": "64", "memory": "1024Gi", "nvidia.com/gpu": "8", "rdma/ib": "1"}
         assert _container(group)["resources"]["requests"] == limits
         # Distinct labels per pool: Ray must not place a prefill rank on a decode pod or back.
         assert group["labels"] == {"accelerator-type": "H200", "moe-role": name}
@@ -128,7 +129,8 @@ def test_spread_groups_get_a_pod_per_rank_and_plain_pools_a_pod_per_replica(gene
     data["pools"][1]["replicas"] = 2
     decode = _workers(_rayservice(data))["decode"]
     assert decode["replicas"] == 2 * 32
-    assert _container(decode)["resources"]["limits"] == {"cpu": "8", "memory": "128Gi", "nvidia.com/gpu": "1"}
+    assert _container(decode)["resources"]["limits"] == {"cpu": "8", "memory": "128Gi", "nvidia.com/gpu": "1",
+                                                          "rdma/ib": "1"}
     engine = _workers(generated[COLOCATED])["engine"]  # 4 replicas of TP 8
     assert engine["replicas"] == 4
     assert _container(engine)["resources"]["limits"] == {"cpu": "16", "memory": "256Gi", "nvidia.com/gpu": "8"}
