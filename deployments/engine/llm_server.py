@@ -18,6 +18,7 @@ from typing import Any
 
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
 from deployments.engine.aborted_ids import AbortedIds
+from deployments.engine.observed_fields import ObservedFields
 from deployments.engine.stream_coalescer import coalesce
 from deployments.ports import reserve_port
 from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
@@ -48,6 +49,8 @@ class LLMServer:
         from monitoring.exporter import MetricsExporter
 
         self._metrics = EngineServerMetrics(MetricsExporter(metrics, metrics_backend), pool, rank)
+        self._observed = ObservedFields(logger)
+        self._source = f"{pool} rank {rank}"
         self._exporting: asyncio.Task | None = None
         if engine_factory is None:
             from deployments.engine.vllm_engine import VLLMEngine
@@ -274,23 +277,32 @@ class LLMServer:
             await asyncio.sleep(period_s)
 
     async def routed_tokens_per_expert(self) -> dict[int, int]:
-        """Expert-parallel ranks: tokens routed to the experts this engine holds (see the shim)."""
+        """Expert-parallel ranks: tokens routed to the experts this engine holds
+        (deployments/engine/expert_observation.py)."""
         from deployments.expert_parallel.expert_ranks import merge_expert_load
 
         return merge_expert_load(await self._engine.collective_rpc("routed_tokens_per_expert"))
 
     async def placement(self) -> dict:
         """Where this engine runs and, for expert-parallel ranks, which experts it holds
-        (read from the engine's own expert map, per MoE layer)."""
+        (read from the engine's own expert map, per MoE layer). Each field is best-effort: one
+        the engine cannot report is empty, the others stay."""
+        node_id = None
         try:
             import ray
 
-            node_id = ray.get_runtime_context().get_node_id()
-        except Exception:  # not inside Ray
-            node_id = None
-        experts = (await self._engine.collective_rpc("local_experts"))[0]
-        weights = (await self._engine.collective_rpc("parameter_bytes"))[0]
+            if ray.is_initialized():  # outside Ray, the runtime context would start or join a cluster
+                node_id = ray.get_runtime_context().get_node_id()
+        except Exception:  # Ray missing or shutting down: the node is unknown
+            pass
+        experts = await self._observed.get(self._source, "local_experts", lambda: self._worker_answer("local_experts"), [])
+        weights = await self._observed.get(self._source, "parameter_bytes",
+                                           lambda: self._worker_answer("parameter_bytes"), {})
         return {"process_id": os.getpid(), "node_id": node_id, "layers": experts, "parameter_bytes": weights}
+
+    async def _worker_answer(self, method: str) -> Any:
+        """The answer of the engine's first worker (an expert-parallel rank's engine has one)."""
+        return (await self._engine.collective_rpc(method))[0]
 
     async def wait_forever(self) -> None:
         """Never returns: the group's watchdog awaits it to learn at once when this rank dies."""

@@ -12,12 +12,13 @@ Two gaps (docs/expert_parallel_cpu.md, sections 2 and 3):
    -1 = other rank), zero the weights of non-local slots and point them at local expert 0.
 
 Importing this module applies the patches, so naming ``CpuExpertParallelCompat`` as vLLM's
-``worker_extension_cls`` installs them in every worker before its model is built."""
+``worker_extension_cls`` installs them in every worker before its model is built. vLLM takes one
+extension class, so this one also carries the platform-neutral observation methods
+(``expert_observation.ExpertObservation``: held experts, routed-token counts, weight bytes)."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -25,21 +26,21 @@ from typing import Any
 
 import torch
 
+from deployments.engine.expert_observation import ExpertObservation
+from deployments.engine.vllm_interface import require_params, vllm_symbol
+
 logger = logging.getLogger(__name__)
 
 _BASE_MODULE = "vllm.distributed.device_communicators.base_device_communicator"
 _CPU_COMM_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 _CPU_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
-_ROUTED_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.routed_experts"
+_OWNER = "deployments/engine/vllm_cpu_ep_compat.py"
 # Parameter names each patch reads or passes on; a rename in vLLM must fail apply_patches().
 ALL_GATHERV_PARAMS = ("self", "input_", "dim", "sizes")
 REDUCE_SCATTERV_PARAMS = ("self", "input_", "dim", "sizes")
 EXPERTS_APPLY_PARAMS = ("self", "hidden_states", "topk_weights", "topk_ids", "expert_map",
                         "apply_router_weight_on_input")
 _PATCH_MARK = "__moe_serve_ep_compat__"
-# (token, expert) assignments this worker's experts computed, by global expert id, summed over
-# MoE layers. Includes the dummy tokens of idle ranks' keep-alive batches (a few per step).
-_routed_tokens: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------- pure tensor functions
@@ -97,13 +98,6 @@ def reduce_scatterv_via_allreduce(
     return summed[start : start + sizes[rank]].movedim(0, dim).contiguous()  # [.., sizes[rank], ..]
 
 
-def count_local_routes(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
-    """Per global expert id: how many (token, slot) pairs route to an expert held here."""
-    ids = topk_ids.long()
-    local = ids[expert_map[ids] >= 0]
-    return torch.bincount(local.flatten(), minlength=expert_map.numel())
-
-
 def localize_topk(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,24 +112,11 @@ def localize_topk(
 # ---------------------------------------------------------------- patches
 
 def _symbol(module_name: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(
-            f"moe-serve EP compat needs {module_name}.{name}, which this vLLM does not have "
-            f"({exc}); update deployments/engine/vllm_cpu_ep_compat.py for this vLLM version"
-        ) from exc
+    return vllm_symbol(module_name, name, _OWNER)
 
 
 def _require_params(fn: Callable, qualname: str, names: Sequence[str]) -> inspect.Signature:
-    signature = inspect.signature(fn)
-    missing = [n for n in names if n not in signature.parameters]
-    if missing:
-        raise RuntimeError(
-            f"moe-serve EP compat relies on parameters {missing} of {qualname}, but its "
-            f"signature is now {signature}; update deployments/engine/vllm_cpu_ep_compat.py"
-        )
-    return signature
+    return require_params(fn, qualname, names, _OWNER)
 
 
 def _cpu_all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
@@ -205,7 +186,6 @@ def _patch_cpu_experts() -> None:
         arguments = bound.arguments
         expert_map = arguments.get("expert_map")
         if expert_map is not None:
-            _record_routes(arguments["topk_ids"], expert_map)
             ids, weights = localize_topk(arguments["topk_ids"], arguments["topk_weights"], expert_map)
             if arguments.get("apply_router_weight_on_input"):
                 # top-1 with the weight already in hidden_states: the kernel ignores weights,
@@ -227,12 +207,6 @@ def _patch_cpu_experts() -> None:
     )
 
 
-def _record_routes(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> None:
-    global _routed_tokens
-    counts = count_local_routes(topk_ids, expert_map)
-    _routed_tokens = counts if _routed_tokens is None else _routed_tokens + counts
-
-
 def apply_patches() -> None:
     """Install the missing CPU pieces; idempotent. Raises RuntimeError if vLLM's interface moved."""
     _patch_communicator()
@@ -244,41 +218,9 @@ def apply_patches() -> None:
 apply_patches()
 
 
-class CpuExpertParallelCompat:
+class CpuExpertParallelCompat(ExpertObservation):
     """``worker_extension_cls="deployments.engine.vllm_cpu_ep_compat.CpuExpertParallelCompat"``.
 
-    Method names must not exist on vLLM's CPUWorker (vLLM asserts this when injecting).
+    Nothing of its own: importing this module installed the CPU patches; the methods are
+    ExpertObservation's (their names must not exist on vLLM's CPUWorker, vLLM asserts it).
     """
-
-    def local_experts(self) -> list[dict]:
-        """One record per fused-MoE layer: which global experts this worker holds."""
-        routed_experts_cls = _symbol(_ROUTED_EXPERTS_MODULE, "RoutedExperts")
-        records = []
-        for _, module in self.get_model().named_modules():
-            if not isinstance(module, routed_experts_cls):
-                continue
-            manager = module.expert_map_manager
-            records.append(dict(
-                layer_name=module.layer_name, ep_rank=manager.ep_rank, ep_size=manager.ep_size,
-                global_num_experts=module.global_num_experts,
-                local_num_experts=module.local_num_experts,
-                local_expert_ids=manager.get_local_expert_ids(),
-            ))
-        return records
-
-    def routed_tokens_per_expert(self) -> dict[int, int]:
-        """Cumulative (token, expert) assignments computed by this worker, by global expert id
-        (only the experts it holds appear)."""
-        if _routed_tokens is None:
-            return {}
-        return {int(e): int(n) for e, n in enumerate(_routed_tokens.tolist()) if n}
-
-    def parameter_bytes(self) -> dict[str, int]:
-        """Bytes of this worker's weights: all of them, and the routed experts' share."""
-        routed_experts_cls = _symbol(_ROUTED_EXPERTS_MODULE, "RoutedExperts")
-        model = self.get_model()
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
-        experts = sum(p.numel() * p.element_size()
-                      for module in model.modules() if isinstance(module, routed_experts_cls)
-                      for p in module.parameters())
-        return {"total": total, "routed_experts": experts}

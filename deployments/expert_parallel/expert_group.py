@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.engine.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
+from deployments.engine.observed_fields import ObservedFields
 from deployments.expert_parallel.expert_ranks import (group_stats, leading_hits, merge_expert_load,
                                                       merge_routing_stats, pick_rank, rank_engine_spec)
 from deployments.expert_parallel.group_start import ray_start_failure, start_local_rank
@@ -142,6 +143,7 @@ class ExpertParallelGroup:
         from monitoring.exporter import CounterMirror
 
         self._expert_mirror = CounterMirror(self._exporter)
+        self._observed = ObservedFields(logger)
         logger.info("engine group of %d ranks ready in %.1fs (rank 0 at %s:%d)", self._size,
                     time.monotonic() - started, address, rpc_port)
 
@@ -260,8 +262,12 @@ class ExpertParallelGroup:
                 check.cancel()
 
     async def stats(self) -> ServerStats:
+        """The ranks' stats summed (`group_stats`). Expert load is best-effort per rank: a rank
+        that cannot report it counts as an empty mapping, and the KV and request counters stay."""
         per_rank = [await rank.stats() for rank in self._ranks]
-        loads = [await rank.routed_tokens_per_expert() for rank in self._ranks]
+        loads = [await self._observed.get(f"rank {index}", "routed_tokens_per_expert",
+                                          rank.routed_tokens_per_expert, {})
+                 for index, rank in enumerate(self._ranks)]
         for stats, load in zip(per_rank, loads):
             stats.routed_tokens_per_expert = load
         self._export_expert_load(loads)
@@ -285,8 +291,11 @@ class ExpertParallelGroup:
         return call.result() if call.exception() is None else None
 
     async def placement(self) -> list[dict]:
-        """Per rank (index = rank): its process, node and the experts its engine holds."""
-        return list(await asyncio.gather(*(rank.placement() for rank in self._ranks)))
+        """Per rank (index = rank): its process, node and the experts its engine holds. A rank
+        that cannot answer at all is reported with every field empty."""
+        return list(await asyncio.gather(*(
+            self._observed.get(f"rank {index}", "placement", rank.placement, unknown_placement())
+            for index, rank in enumerate(self._ranks))))
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -364,3 +373,8 @@ class ExpertParallelGroup:
                     ray.kill(actor)
             except Exception:  # interpreter or Ray shutting down: the owner's death kills them anyway
                 pass
+
+
+def unknown_placement() -> dict:
+    """LLMServer.placement's fields, all empty."""
+    return {"process_id": None, "node_id": None, "layers": [], "parameter_bytes": {}}

@@ -15,6 +15,10 @@ from typing import Any
 
 from deployments.records import ServerStats
 
+# vLLM's worker_extension_cls (one per engine): the observation methods every rank answers
+# (held experts, routed-token counts, weight bytes); on CPU inside the shim's class, which adds
+# what vLLM 0.32's CPU build lacks for the DP+EP path.
+OBSERVATION_EXTENSION = "deployments.engine.expert_observation.ExpertObservation"
 CPU_COMPAT_EXTENSION = "deployments.engine.vllm_cpu_ep_compat.CpuExpertParallelCompat"
 
 
@@ -28,6 +32,13 @@ def rank_engine_spec(engine: Mapping[str, Any], *, size: int, rank: int, address
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside a group of {size}")
     extra = dict(engine.get("extra_args") or {})
+    extension = CPU_COMPAT_EXTENSION if accelerator == "cpu" else OBSERVATION_EXTENSION
+    if extra.get("worker_extension_cls") not in (None, "", extension):
+        raise ValueError(
+            f"engine.extra_args.worker_extension_cls={extra['worker_extension_cls']!r}: an expert-parallel "
+            f"pool's ranks need {extension} (vLLM takes one extension class, and the group reads its "
+            "experts' load through it); drop the setting"
+        )
     extra.update(
         data_parallel_size=size,
         data_parallel_rank=rank,
@@ -36,10 +47,8 @@ def rank_engine_spec(engine: Mapping[str, Any], *, size: int, rank: int, address
         data_parallel_backend="mp",
         distributed_executor_backend="mp",
         enable_expert_parallel=True,
+        worker_extension_cls=extension,
     )
-    if accelerator == "cpu":
-        # vLLM 0.32's CPU build lacks two pieces of the DP+EP path; the shim supplies them.
-        extra["worker_extension_cls"] = CPU_COMPAT_EXTENSION
     if enable_eplb:
         extra["enable_eplb"] = True
         extra["eplb_config"] = {"num_redundant_experts": num_redundant_experts}
@@ -116,8 +125,8 @@ def merge_routing_stats(per_rank: Sequence[Mapping[str, Any] | None]) -> dict[st
 def merge_expert_load(per_rank: Sequence[Mapping[int, int]]) -> dict[int, int]:
     """Routed-token counts per global expert id, summed over ranks.
 
-    Each expert lives on exactly one rank (no redundant experts on CPU), so the sum counts
-    every (token, expert) assignment once.
+    Each id lives on exactly one rank (with EPLB the ids are physical slots, and a redundant
+    replica has its own slot), so the sum counts every (token, expert) assignment once.
     """
     total: dict[int, int] = {}
     for counts in per_rank:

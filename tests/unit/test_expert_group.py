@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
 from deployments.expert_parallel.expert_group import ExpertParallelGroup
 from deployments.expert_parallel.expert_ranks import group_stats
-from deployments.expert_parallel.expert_ranks import CPU_COMPAT_EXTENSION, merge_expert_load, pick_rank, rank_engine_spec
+from deployments.expert_parallel.expert_ranks import (CPU_COMPAT_EXTENSION, OBSERVATION_EXTENSION, merge_expert_load,
+                                                      pick_rank, rank_engine_spec)
 from deployments.records import EngineFailure, EngineRequest, SamplingSpec, ServerStats, TokenDelta
 from tests.unit.ingress_fakes import FakeMetricsBackend
 
@@ -27,6 +29,7 @@ class FakeServer:
         self.aborted: list[str] = []
         self.aborted_by_id: list[str] = []
         self.shut_down = False
+        self.observation_error: Exception | None = None  # what the engine's expert RPCs raise
 
     async def abort(self, request_id):
         self.aborted_by_id.append(request_id)
@@ -46,7 +49,15 @@ class FakeServer:
                            kv_transfer={"leases_outstanding": self.rank, "backend": "tcp"})
 
     async def routed_tokens_per_expert(self):
+        if self.observation_error:
+            raise self.observation_error
         return {4 * self.rank + e: 10 + e for e in range(4)}
+
+    async def placement(self):
+        if self.observation_error:
+            raise self.observation_error
+        return {"process_id": 100 + self.rank, "node_id": "n", "layers": [{"local_expert_ids": [self.rank]}],
+                "parameter_bytes": {"total": 1}}
 
     async def check_health(self):
         return None
@@ -81,6 +92,7 @@ class FakeRankActor:
         self.generate = _Method(server.generate, streaming=True)
         self.stats = _Method(server.stats)
         self.routed_tokens_per_expert = _Method(server.routed_tokens_per_expert)
+        self.placement = _Method(server.placement)
         self.wait_forever = _Method(self._wait_forever)
         self.shutdown_engine = _Method(server.shutdown_engine)
         self.check_health = _Method(server.check_health)
@@ -134,9 +146,19 @@ def test_rank_specs_differ_only_in_rank_and_carry_the_rendezvous():
         assert extra["worker_extension_cls"] == CPU_COMPAT_EXTENSION and extra["trust_remote_code"]
     gpu = rank_engine_spec(ENGINE, size=4, rank=3, address="a", rpc_port=1, accelerator="gpu", enable_eplb=True,
                            num_redundant_experts=8)["extra_args"]
-    assert "worker_extension_cls" not in gpu and gpu["eplb_config"] == {"num_redundant_experts": 8}
+    # Every platform loads the observation methods; only CPU adds the shim around them.
+    assert gpu["worker_extension_cls"] == OBSERVATION_EXTENSION and gpu["eplb_config"] == {"num_redundant_experts": 8}
     with pytest.raises(ValueError):
         rank_engine_spec(ENGINE, size=2, rank=2, address="a", rpc_port=1, accelerator="cpu")
+
+
+def test_a_pool_cannot_replace_the_ranks_worker_extension():
+    engine = {**ENGINE, "extra_args": {"worker_extension_cls": "my.Extension"}}
+    with pytest.raises(ValueError, match="my.Extension.*drop the setting"):
+        rank_engine_spec(engine, size=2, rank=0, address="a", rpc_port=1, accelerator="gpu")
+    same = {**ENGINE, "extra_args": {"worker_extension_cls": OBSERVATION_EXTENSION}}
+    assert rank_engine_spec(same, size=2, rank=0, address="a", rpc_port=1,
+                            accelerator="gpu")["extra_args"]["worker_extension_cls"] == OBSERVATION_EXTENSION
 
 
 def test_pick_rank_takes_the_least_loaded_lowest_first():
@@ -199,3 +221,25 @@ def test_group_stats_of_one_rank_is_that_rank():
     one = ServerStats(replica_id="x", started_total=3, in_flight_request_ids=["b", "a"])
     total = group_stats([one], {})
     assert total.started_total == 3 and total.in_flight_request_ids == ["a", "b"] and total.ranks == [one]
+
+
+def test_a_rank_that_cannot_report_expert_load_leaves_the_other_stats_whole(caplog):
+    """An engine whose worker cannot answer the expert RPCs (e.g. an extension missing on its
+    platform): its load is an empty mapping, warned about once, and the KV counters stay."""
+    async def scenario():
+        group, local, (remote,) = make_group()
+        remote.server.observation_error = AttributeError("'Worker' object has no attribute 'routed_tokens_per_expert'")
+        await drain(group.generate(request(0)))
+        first, second = await group.stats(), await group.stats()
+        return first, second, await group.placement()
+
+    with caplog.at_level(logging.DEBUG, logger="deployments.expert_parallel.expert_group"):
+        first, second, placement = asyncio.run(scenario())
+    for stats in (first, second):
+        assert stats.kv_transfer == {"leases_outstanding": 1}  # rank 1's KV counter is still summed
+        assert [r.routed_tokens_per_expert for r in stats.ranks] == [{e: 10 + e for e in range(4)}, {}]
+        assert stats.routed_tokens_per_expert == {e: 10 + e for e in range(4)}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "report routed_tokens_per_expert" in r.getMessage()]
+    assert len(warnings) == 1 and "rank 1" in warnings[0].getMessage()  # once, not every export period
+    assert placement[0]["layers"] == [{"local_expert_ids": [0]}]
+    assert placement[1] == {"process_id": None, "node_id": None, "layers": [], "parameter_bytes": {}}
