@@ -59,8 +59,11 @@ class HandleEngineClient:
 
     async def stream(self, request: EngineRequest, **_options: Any) -> AsyncIterator[TokenDelta | EngineFailure]:
         response = self._handle.options(stream=True).generate.remote(request)
+        assignment = _assignment(response)
         done = False
         try:
+            if assignment is not None:
+                await asyncio.shield(assignment)  # see cancel_call: never cancel the router mid-assignment
             async for item in response:
                 yield item
             done = True
@@ -69,40 +72,43 @@ class HandleEngineClient:
             yield EngineFailure(f"engine replica failed: {type(exc).__name__}: {str(exc)[:300]}", retriable=True)
         finally:
             if not done:
-                cancel_call(response)
+                cancel_call(response, assignment)
 
     async def health(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._handle.check_health.remote(), timeout_s)
 
 
-_CANCELLING: set[asyncio.Task] = set()  # references to the follow-ups below until they end
+ASSIGNMENT_GRACE_S = 5.0
 
 
-def cancel_call(response: Any) -> None:
-    """Cancel a Serve handle call, also one whose replica was assigned just as it was cancelled.
+def _assignment(response: Any) -> asyncio.Future | None:
+    """The Serve call's replica assignment as a task of its own (None for a test's fake)."""
+    fetch = getattr(response, "_fetch_future_result_async", None)  # Serve internals: see cancel_call
+    return asyncio.ensure_future(fetch()) if fetch is not None else None
 
-    `DeploymentResponseGenerator.cancel()` cancels the replica's work only once the response
-    has fetched its replica result. With the router on the caller's loop (as under
-    RAY_SERVE_THROUGHPUT_OPTIMIZED, the default manifest's HTTP mode), a caller cancelled
-    after the assignment completed but before its await resumed never fetches it: cancel()
-    finds nothing to cancel and the request runs on its replica, unread, to max_tokens (seen
-    as a decode engine still busy 20 s after its client left). So the cancel is followed by
-    fetching the assignment (done, or cancelled by cancel() itself) and cancelling that."""
-    response.cancel()
-    fetch = getattr(response, "_fetch_future_result_async", None)  # Serve internals: see above
-    if fetch is None:
+
+def cancel_call(response: Any, assignment: asyncio.Future | None = None) -> None:
+    """Cancel a Serve handle call, also one whose replica was being assigned when it was cancelled.
+
+    `DeploymentResponseGenerator.cancel()` stops the replica's work only once the response has
+    fetched its replica result, and the router's assignment is a task the caller awaits: a
+    caller cancelled while its request was being sent to a replica cancelled that task with it
+    (asyncio cancels the future a task waits on), so the request could run on the replica with
+    nothing left to stop it. The caller therefore awaits the assignment through a shield
+    (`_assignment`), and a cancelled call is cancelled once its assignment is done, when
+    cancel() reaches the replica. One still unassigned ASSIGNMENT_GRACE_S later (queued behind
+    busy replicas) is cancelled in the router, where nothing runs yet."""
+    if assignment is None or assignment.done():
+        response.cancel()
         return
 
-    async def cancel_assigned() -> None:
-        try:
-            replica_result = await fetch()
-        except BaseException:  # noqa: BLE001 - never assigned (cancelled first) or failed: nothing runs
-            return
-        replica_result.cancel()
+    def when_assigned(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            response.cancel()
 
-    task = asyncio.ensure_future(cancel_assigned())
-    _CANCELLING.add(task)
-    task.add_done_callback(_CANCELLING.discard)
+    assignment.add_done_callback(when_assigned)
+    asyncio.get_running_loop().call_later(
+        ASSIGNMENT_GRACE_S, lambda: None if assignment.done() else response.cancel())
 
 
 def as_engine_client(engine: Any) -> EngineClient:
