@@ -248,6 +248,16 @@ def test_without_the_setting_or_before_the_router_exists_decode_is_routed_at_the
         assert prefill.calls == 1 and decode.requests[0].route_to is None
 
 
+def _streamed_then_settled(prefill, decode, monkeypatch) -> list:
+    """Every item of one P/D request, after its background release (if any) went out."""
+    async def scenario():
+        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
+        await asyncio.sleep(0.05)  # the release is sent in the background
+        return out
+
+    return asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("failure", [
     EngineFailure("decode replica failed: ActorDiedError", retriable=True),
     EngineFailure("Requested sample logprobs of 100, which is greater than max allowed: 20", invalid_request=True),
@@ -258,12 +268,7 @@ def test_a_decode_failure_as_the_first_item_releases_the_prefill_lease(monkeypat
     prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
     decode = FakeDecodeClient([failure])
 
-    async def scenario():
-        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
-        await asyncio.sleep(0.05)  # the release is sent in the background
-        return out
-
-    assert asyncio.run(scenario()) == [failure]
+    assert _streamed_then_settled(prefill, decode, monkeypatch) == [failure]
     assert [p.remote_request_id for p in prefill.released] == ["p-1"]
 
 
@@ -271,12 +276,7 @@ def test_decode_failing_after_its_first_token_releases_the_lease_once_more(monke
     prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
     decode = FakeDecodeClient([replace(DELTA, finish_reason=None), EngineFailure("died mid-stream", retriable=True)])
 
-    async def scenario():
-        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
-        await asyncio.sleep(0.05)
-        return out
-
-    assert len(asyncio.run(scenario())) == 2
+    assert len(_streamed_then_settled(prefill, decode, monkeypatch)) == 2
     # Decode pulled (it produced a token), but died: its own release may never have gone out.
     assert [p.remote_request_id for p in prefill.released] == ["p-1"]
 
@@ -302,12 +302,7 @@ def test_a_finished_decode_leaves_the_release_to_its_connector(monkeypatch):
     prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
     decode = FakeDecodeClient([replace(DELTA, finish_reason=None), DELTA])
 
-    async def scenario():
-        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
-        await asyncio.sleep(0.05)
-        return out
-
-    assert len(asyncio.run(scenario())) == 2
+    assert len(_streamed_then_settled(prefill, decode, monkeypatch)) == 2
     assert prefill.released == []
 
 
@@ -320,10 +315,5 @@ def test_a_decode_that_recomputed_after_its_pull_failed_releases_the_lease_once_
     final = replace(DELTA, kv_load=LoadTiming(pull_s=0.2, pull_blocks=2, pull_failed=True))
     decode = FakeDecodeClient([replace(DELTA, finish_reason=None), final])
 
-    async def scenario():
-        out = await _drain(_client(prefill, decode, monkeypatch).stream(REQUEST))
-        await asyncio.sleep(0.05)
-        return out
-
-    assert len(asyncio.run(scenario())) == 2
+    assert len(_streamed_then_settled(prefill, decode, monkeypatch)) == 2
     assert [p.remote_request_id for p in prefill.released] == ["p-1"]
