@@ -19,7 +19,7 @@ ENGINE_ID = "bench-engine"
 class BenchLease:
     """Pass `leases` and `grant_key` to the server, `grant` with each fetch."""
 
-    leases: "_OneLease"
+    leases: _OneLease
     grant_key: EngineGrants
     grant: bytes
 

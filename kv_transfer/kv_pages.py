@@ -154,7 +154,7 @@ class KVPages:
             yield _page_views(memoryview(staged.numpy()).cast("B"), staged.shape)
             self.scatter(block_ids, staged)
 
-    def host_memory(self) -> "HostKVMemory":
+    def host_memory(self) -> HostKVMemory:
         """The cache's own memory, for a transport that registers it and moves bytes in place."""
         if self.device.type != "cpu":
             raise KVLayoutError(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from kv_transfer.errors import TransferFailed
 from kv_transfer.params import TransferParams
