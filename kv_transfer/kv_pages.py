@@ -149,7 +149,7 @@ class KVPages:
     def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
         """Host pages to receive these blocks into; written to the cache when the block exits
         without an exception (a failed transfer leaves the cache as it was)."""
-        self._index(block_ids)  # refuse bad ids before any byte arrives
+        self._check_ids(block_ids)  # refuse bad ids before any byte arrives (no device index yet)
         with self._staging.lease(self._staged_shape(len(block_ids))) as staged:
             yield _page_views(memoryview(staged.numpy()).cast("B"), staged.shape)
             self.scatter(block_ids, staged)
@@ -165,10 +165,13 @@ class KVPages:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
+    def _check_ids(self, block_ids: list[int]) -> None:
         for block in block_ids:
             if not 0 <= block < self.num_blocks:
                 raise ValueError(f"block {block} outside [0, {self.num_blocks})")
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        self._check_ids(block_ids)
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
     def _staged_shape(self, blocks: int) -> tuple[int, int, int]:
