@@ -49,8 +49,21 @@ def _prefill_running(stack) -> bool:
     return deployment.status == "HEALTHY" and deployment.replica_states.get("RUNNING", 0) == 1
 
 
+def _application_running(stack) -> bool:
+    from ray import serve
+
+    app = serve.status().applications[stack.app_name]
+    return all(d.status == "HEALTHY" for d in app.deployments.values())
+
+
 def test_a_prefill_killed_mid_prefill_fails_fast_or_recomputes_and_leaks_no_lease(stack, engine_stats,
                                                                                    reference_outputs):
+    # Start from a running application: a module before this one may have left a group still
+    # restarting (CI: its engines starting on both cores made every prefill here wait).
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not _application_running(stack):
+        time.sleep(2)
+    assert _application_running(stack), "the application did not come back before this module"
     replicas = _prefill_replicas()
     assert len(replicas) == 1, replicas
     victim = replicas[0]
