@@ -291,6 +291,12 @@ class Manifest(_Strict):
         if self.kv_pool.enabled and self.kv_pool.protocol == "rdma" and self.accelerator is Accelerator.cpu:
             problems.append(ManifestIssue(
                 "kv_pool.protocol", "rdma", "RDMA on a cpu manifest", "use protocol: tcp on CPU machines"))
+        if self.disaggregated and self.kv_transfer.backend == "mooncake" and self.accelerator is Accelerator.gpu:
+            problems.append(ManifestIssue(
+                "kv_transfer.backend", "mooncake",
+                "the mooncake P/D backend moves bytes in place from KV caches in host memory (vLLM CPU); "
+                "GPU engines keep theirs in device memory, so every engine would refuse it at start",
+                "use kv_transfer.backend: tcp (blocks staged through pinned host memory, any device)"))
         problems.extend(kv_connector_issues(self))
         problems.extend(autoscaling_issues(self))
         problems.extend(timeout_issues(self))

@@ -96,22 +96,25 @@ class KVPoolSpec(_Strict):
 
 
 def kv_connector_issues(manifest: Any) -> list[ManifestIssue]:
-    """Pools whose engines get our KV connector (both pools of a P/D manifest, every pool when
-    kv_pool is enabled) must run one worker per engine: the connector binds the engine's one KV
-    port in every tensor-parallel worker (workers 1..N-1 fail with EADDRINUSE, so the engine
-    never starts), and TransferParams carry one address, not one per TP rank.
+    """Tensor parallelism with our KV connector: each TP worker serves its shard of the blocks
+    (its KV heads) on its own port (the engine's first port + its rank), and decode's rank r
+    pulls from prefill's rank r. So the two pools of a P/D manifest need the same
+    tensor_parallel_size; mapping heads between different sizes is not implemented. A KV pool
+    keys each rank's shard (and the TP layout) separately, so it needs nothing more.
     `manifest` is a cluster.manifest.Manifest."""
-    if not (manifest.disaggregated or manifest.kv_pool.enabled):
+    if not manifest.disaggregated:
         return []
-    connector = "P/D" if manifest.disaggregated else "kv_pool"
-    fix = ("use tensor_parallel_size: 1 with expert/data parallelism (expert_parallel.size, replicas)"
-           + ("" if manifest.disaggregated else ", or drop kv_pool (kv_pool.enabled: false)"))
-    problems = []
-    for index, pool in enumerate(manifest.pools):
-        tp = pool.engine.tensor_parallel_size
-        if tp > 1 and pool.expert_parallel is None:  # expert-parallel pools refuse TP > 1 on their own
-            problems.append(ManifestIssue(
-                f"pools[{index}].engine.tensor_parallel_size", tp,
-                f"tensor parallelism with a KV connector ({connector}) is not supported yet: every TP worker "
-                "would bind the same KV port and transfer parameters carry one address", fix))
-    return problems
+    sizes = {pool.role.value: (index, pool) for index, pool in enumerate(manifest.pools)
+             if pool.role.value in ("prefill", "decode")}
+    if set(sizes) != {"prefill", "decode"}:
+        return []
+    (_, prefill), (decode_index, decode) = sizes["prefill"], sizes["decode"]
+    prefill_tp, decode_tp = prefill.engine.tensor_parallel_size, decode.engine.tensor_parallel_size
+    if prefill_tp == decode_tp or prefill.expert_parallel is not None or decode.expert_parallel is not None:
+        return []  # expert-parallel pools refuse TP > 1 on their own (one issue, not two)
+    return [ManifestIssue(
+        f"pools[{decode_index}].engine.tensor_parallel_size", decode_tp,
+        f"the prefill pool {prefill.name!r} runs tensor_parallel_size {prefill_tp} and the decode pool "
+        f"{decode.name!r} {decode_tp}: each decode rank pulls the KV heads that the prefill rank of the "
+        "same number holds, and mapping heads between different TP sizes is not implemented",
+        f"give both pools the same tensor_parallel_size (e.g. {prefill_tp})")]

@@ -30,18 +30,22 @@ def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
 
 
 def reserve_port(host: str = "127.0.0.1", rng: random.Random | None = None,
-                 ephemeral: tuple[int, int] | None = None) -> int:
-    """A TCP port on `host` that is free now and that the kernel will not hand out on its own."""
+                 ephemeral: tuple[int, int] | None = None, count: int = 1) -> int:
+    """A TCP port on `host` that is free now and that the kernel will not hand out on its own;
+    with `count`, the first of that many consecutive such ports (a tensor-parallel engine's
+    workers serve KV on port + rank)."""
     rng = rng or random.SystemRandom()
     low, high = ephemeral or ephemeral_range()
-    candidates = [(LOWEST_PORT, low - 1)] if low - 1 > LOWEST_PORT else []
-    if high < 65535:
-        candidates.append((high + 1, 65535))
+    candidates = [(LOWEST_PORT, low - count)] if low - count > LOWEST_PORT else []
+    if high + count <= 65535:
+        candidates.append((high + 1, 65536 - count))
     for _ in range(_ATTEMPTS if candidates else 0):
         start, end = rng.choice(candidates)
         port = rng.randint(start, end)
-        if _free(host, port):
+        if all(_free(host, p) for p in range(port, port + count)):
             return port
+    if count > 1:
+        raise RuntimeError(f"found no {count} consecutive free ports on {host} outside the ephemeral range")
     with socket.socket() as probe:  # no room outside the ephemeral range: the kernel's pick
         probe.bind((host, 0))
         return probe.getsockname()[1]

@@ -55,10 +55,26 @@ class MoeServeWorkerMetadata(KVConnectorWorkerMetadata):
         return MoeServeWorkerMetadata(merged)
 
 
+def tensor_parallel_rank(vllm_config: "VllmConfig") -> int:
+    """This worker's tensor-parallel rank: its shard of the KV heads, its KV port (first + rank)
+    and its pool keys. vLLM sets up the model-parallel groups before it builds the worker's
+    connector; with TP > 1 a missing group is an error, not rank 0 (every rank would bind the
+    first port)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 class MoeServeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._settings = ConnectorSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        engine_tp = vllm_config.parallel_config.tensor_parallel_size
+        if self._settings.tp_size != engine_tp:  # the ports reserved would not match the workers
+            raise ValueError(f"kv connector settings are for {self._settings.tp_size} tensor-parallel ranks, "
+                             f"the engine runs {engine_tp} (set tp_size from engine.tensor_parallel_size)")
         self._scheduler: SchedulerSide | None = None
         self._worker = None
         self._releaser = None
@@ -75,8 +91,9 @@ class MoeServeConnector(KVConnectorBase_V1):
         else:
             from kv_transfer.connector_worker import WorkerSide
 
-            pool = pool_settings and engine_wiring.worker_tier(pool_settings, vllm_config, kv_cache_config)
-            self._worker = WorkerSide(self._settings, pool=pool)
+            tp_rank = tensor_parallel_rank(vllm_config)
+            pool = pool_settings and engine_wiring.worker_tier(pool_settings, vllm_config, kv_cache_config, tp_rank)
+            self._worker = WorkerSide(self._settings, pool=pool, tp_rank=tp_rank)
 
     # -- scheduler side -----------------------------------------------------------------------
 

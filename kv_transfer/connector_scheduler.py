@@ -169,6 +169,7 @@ class SchedulerSide:
             remote_block_ids=tuple(block_ids), remote_num_tokens=request.num_computed_tokens,
             block_size_tokens=self._block_size, lease_deadline_unix_s=deadline_s,
             lease_remaining_s=lease_s,  # what decode goes by: a duration, valid on any clock
+            remote_tp_size=self._settings.tp_size,  # each worker rank serves its shard on port + rank
         )
         grant = self._grant_key.payload(transfer.grant_scope(), int(deadline_s * 1000))
         return True, replace(transfer, grant=grant.hex()).to_engine()

@@ -104,10 +104,20 @@ class _ReadGuard:
             self._waiting.release()
 
 
+class TensorParallelMismatch(KVTransferError):
+    """The prefill engine's tensor-parallel size is not this engine's: rank r's shard of a
+    block (its KV heads) is not what decode's rank r holds."""
+
+
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings, pool=None):
-        """`pool`: a PoolWorker when the engine uses a KV pool."""
+    def __init__(self, settings: ConnectorSettings, pool=None, tp_rank: int = 0):
+        """`pool`: a PoolWorker when the engine uses a KV pool; `tp_rank`: this worker's
+        tensor-parallel rank. Each rank serves its own shard of every block on its own port
+        (`settings.rank_port`), pulls from the prefill rank of the same number, and releases
+        there: the engine's ranks together cover every shard and every rank's lease."""
         self._settings = settings
+        self._tp_rank = tp_rank
+        self._port = settings.rank_port(tp_rank)
         self._pool = pool
         pool_settings = PoolSettings.from_dict(settings.pool) or PoolSettings()
         # Bounded, and shed under pressure (pool/store_queue.py): a slow pool must not hold the engine's KV.
@@ -151,17 +161,17 @@ class WorkerSide:
         # engine memory (refused for a device cache, at engine start rather than per request).
         self._pages = pages.host_memory() if self._backend.moves_engine_memory else pages
         self._client.register_sink(self._pages)  # backends that register memory do it once, here
-        self._server = self._backend.server_cls(self._settings.host, self._settings.port, source=self._pages,
+        self._server = self._backend.server_cls(self._settings.host, self._port, source=self._pages,
                                             on_release=self._on_release, on_stats=self.stats,
                                             leases=_ReadGuard(self),
                                             # Only an engine that lends KV answers reads and releases.
                                             grant_key=self._settings.engine_grants() if self._settings.lends_kv else None,
                                             max_connections=self._settings.max_connections)
         self._server.start()
-        logger.info("kv transfer: serving %d layers x %d blocks (%d B pages; %s) on %s:%s via %s",
+        logger.info("kv transfer: serving %d layers x %d blocks (%d B pages; %s) on %s:%s via %s (TP rank %d of %d)",
                     pages.num_layers, pages.num_blocks, pages.page_bytes,
                     pages.describe() if hasattr(pages, "describe") else "", self._settings.host,
-                    self._settings.port, self._settings.backend)
+                    self._port, self._settings.backend, self._tp_rank, self._settings.tp_size)
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -316,6 +326,10 @@ class WorkerSide:
         try:
             if params.inject_failure:
                 raise InjectedFailure("injected transfer failure (test hook)")
+            if params.remote_tp_size != self._settings.tp_size:  # the manifest refuses this; a record may not
+                raise TensorParallelMismatch(f"prefill engine has {params.remote_tp_size} tensor-parallel ranks, "
+                                             f"this engine {self._settings.tp_size}")
+            port = params.rank_port(self._tp_rank)
             if params.ends_within(self._settings.transfer_timeout_s, time.monotonic(), time.time()):
                 # A pull that could still be running at the deadline would be refused (the prefill
                 # checks its own clock) or fail mid-way: never start one. Decided on this node's
@@ -323,8 +337,8 @@ class WorkerSide:
                 raise LeaseExpired(f"lease of {params.remote_request_id} ends before a pull could finish")
             # The blocks reach the cache (and the device, fenced) only if the whole fetch succeeded.
             with self._pages.receiving(list(job.local_block_ids)) as dest, \
-                    guarded(self._peers, params.remote_host, params.remote_port):  # PeerDown at once while it is down
-                result = self._client.fetch(params.remote_host, params.remote_port, params.remote_request_id,
+                    guarded(self._peers, params.remote_host, port):  # PeerDown at once while it is down
+                result = self._client.fetch(params.remote_host, port, params.remote_request_id,
                                             list(job.remote_block_ids), dest, self._settings.transfer_timeout_s,
                                             params.grant_bytes())
             self._counters.pull_succeeded(len(job.local_block_ids), result.bytes, time.monotonic() - started)
@@ -344,6 +358,8 @@ class WorkerSide:
         self._release_remote(params)
 
     def _release_remote(self, params) -> None:
-        """Queue the lease's release (returns at once); a failed one is counted in
+        """Queue the lease's release on the prefill rank of this worker's number (returns at
+        once; the engine's other ranks release theirs); a failed one is counted in
         releases_failed_total, and the prefill side's lease expiry frees the blocks anyway."""
-        self._releaser.submit(params)
+        ranks = [self._tp_rank] if params.remote_tp_size == self._settings.tp_size else None  # None: all
+        self._releaser.submit(params, ranks)

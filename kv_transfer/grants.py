@@ -3,10 +3,14 @@
 The KV transfer port serves raw KV pages, every user's prompts included. So the prefill side
 signs each lease it grants: an HMAC-SHA256, keyed by a secret that only the application's
 engines hold, over everything the grant names (`GrantScope`: the engine, the address it serves
-on, the request, the exact blocks) and the lease deadline on the prefill's own clock. Hence:
+on and its tensor-parallel size, the request, the exact blocks) and the lease deadline on the
+prefill's own clock. Hence:
 
 - a grant opens one lease on one engine: presented to another engine of the application, for
-  another request, or for blocks the lease does not hold, it does not verify;
+  another request, or for blocks the lease does not hold, it does not verify. A tensor-parallel
+  engine serves on one port per rank (`port + rank`) and signs with its first port and its TP
+  size, so one grant opens the lease on each of its ranks and a record whose TP size was
+  changed (to send decode ranks to other ports) does not verify;
 - decode checks the grant before it pulls, so transfer parameters that no engine of this
   application signed (a forged or tampered record) never make it connect anywhere: pulls go
   only to engines of its own application, and only to the address the prefill signed;
@@ -33,19 +37,22 @@ _FIELD_LEN = struct.Struct("!I")
 
 @dataclass(frozen=True)
 class GrantScope:
-    """What one grant opens: these blocks of this request's lease on this engine."""
+    """What one grant opens: these blocks of this request's lease on this engine (`port`: its
+    first KV port; `tp_size`: how many ranks serve from there on)."""
 
     engine_id: str
     host: str
     port: int
     request_id: str
     block_ids: tuple[int, ...]
+    tp_size: int = 1
 
     def message(self, deadline_ms: int) -> bytes:
         # Length-prefixed fields: no choice of ids can make two scopes sign the same bytes.
         parts = [self.engine_id.encode("utf-8", "surrogatepass"), self.host.encode("utf-8", "surrogatepass"),
                  str(int(self.port)).encode(), self.request_id.encode("utf-8", "surrogatepass"),
-                 struct.pack(f"!{len(self.block_ids)}I", *self.block_ids), str(int(deadline_ms)).encode()]
+                 struct.pack(f"!{len(self.block_ids)}I", *self.block_ids), str(int(deadline_ms)).encode(),
+                 str(int(self.tp_size)).encode()]
         return b"".join(_FIELD_LEN.pack(len(p)) + p for p in parts)
 
 
@@ -95,10 +102,12 @@ class EngineGrants:
     """One serving engine's check of the grants presented to it: the key plus the identity the
     engine signs with, so a grant minted by another engine never opens this one."""
 
-    def __init__(self, key: GrantKey, engine_id: str, host: str, port: int):
+    def __init__(self, key: GrantKey, engine_id: str, host: str, port: int, tp_size: int = 1):
+        """`port`: the engine's first KV port (every rank checks against the same scope)."""
         self._key = key
         self._engine = (engine_id, host, port)
+        self._tp_size = tp_size
 
     def check(self, request_id: str, block_ids: Sequence[int], payload: bytes, now_ms: int | None) -> str | None:
-        scope = GrantScope(*self._engine, request_id=request_id, block_ids=tuple(block_ids))
+        scope = GrantScope(*self._engine, request_id=request_id, block_ids=tuple(block_ids), tp_size=self._tp_size)
         return self._key.check(scope, payload, now_ms)

@@ -29,7 +29,7 @@ class TransferParams:
     """Where a finished prefill's KV blocks are, and until when they are leased."""
 
     remote_host: str
-    remote_port: int
+    remote_port: int  # the prefill engine's first KV port: tensor-parallel rank r serves on remote_port + r
     remote_engine_id: str
     remote_request_id: str  # the prefill engine's internal id (vLLM suffixes external ids)
     remote_block_ids: tuple[int, ...]
@@ -43,6 +43,18 @@ class TransferParams:
     # Set by decode's engine server on receipt: the deadline on the decode node's monotonic clock
     # (CLOCK_MONOTONIC, shared by the server, its engine core and workers on that node).
     lease_deadline_local_s: float | None = None
+    # Tensor-parallel ranks of the prefill engine, each serving its own shard of every block.
+    remote_tp_size: int = 1
+
+    def rank_port(self, tp_rank: int) -> int:
+        """Where prefill's rank `tp_rank` serves: a decode rank pulls and releases its own shard there."""
+        if not 0 <= tp_rank < self.remote_tp_size:
+            raise ValueError(f"tensor-parallel rank {tp_rank} of a {self.remote_tp_size}-rank prefill engine")
+        return self.remote_port + tp_rank
+
+    def rank_ports(self) -> range:
+        """Every rank's port: a release from outside the workers frees the lease on all of them."""
+        return range(self.remote_port, self.remote_port + self.remote_tp_size)
 
     def grant_bytes(self) -> bytes:
         return bytes.fromhex(self.grant) if self.grant else b""
@@ -63,6 +75,9 @@ class TransferParams:
             raise InvalidTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
         fields = {name: check(params.get(name, _MISSING), name) for name, check in _FIELD_CHECKS.items()}
         record = cls(**{k: v for k, v in fields.items() if v is not _MISSING})
+        if record.remote_port + record.remote_tp_size - 1 > 65535:
+            raise InvalidTransferParams(f"kv_transfer_params.remote_port {record.remote_port} leaves no port for "
+                                        f"{record.remote_tp_size} tensor-parallel ranks")
         if record.remote_num_tokens > len(record.remote_block_ids) * record.block_size_tokens:
             raise InvalidTransferParams(f"remote_num_tokens {record.remote_num_tokens} is more than "
                                         f"{len(record.remote_block_ids)} blocks hold")
@@ -73,7 +88,7 @@ class TransferParams:
         from kv_transfer.grants import GrantScope
 
         return GrantScope(self.remote_engine_id, self.remote_host, self.remote_port, self.remote_request_id,
-                          self.remote_block_ids)
+                          self.remote_block_ids, self.remote_tp_size)
 
     def received(self, now_s: float) -> "TransferParams":
         """Decode node, on receipt: the lease's deadline on this node's monotonic clock, as
@@ -102,6 +117,7 @@ class InvalidTransferParams(ValueError):
 _MISSING = object()
 MAX_ID_CHARS = 512
 MAX_BLOCKS = 1 << 22  # far above any engine's block count; bounds the work of one record
+MAX_TP_SIZE = 64  # the manifest's bound on engine.tensor_parallel_size
 
 
 def _required(check):
@@ -183,6 +199,7 @@ _FIELD_CHECKS = {
     "grant": _optional(_grant),
     "lease_remaining_s": _optional(_finite, default=None),
     "lease_deadline_local_s": _optional(_finite, default=None),
+    "remote_tp_size": _optional(_int_in(1, MAX_TP_SIZE)),
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kv_transfer.errors import TransferFailed
@@ -50,25 +50,28 @@ class BackgroundReleaser:
         self._on_failure = on_failure
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-release")
 
-    def submit(self, params: TransferParams) -> None:
-        self._submit(params, 0)
+    def submit(self, params: TransferParams, tp_ranks: Sequence[int] | None = None) -> None:
+        """Release the lease on the prefill engine's tensor-parallel ranks `tp_ranks` (None:
+        every rank; each holds the lease on its own shard of the blocks)."""
+        for port in (params.rank_ports() if tp_ranks is None else [params.rank_port(r) for r in tp_ranks]):
+            self._submit(params, port, 0)
 
-    def _submit(self, params: TransferParams, attempt: int) -> None:
+    def _submit(self, params: TransferParams, port: int, attempt: int) -> None:
         try:
-            self._pool.submit(self._release, params, attempt)
+            self._pool.submit(self._release, params, port, attempt)
         except RuntimeError:  # shut down meanwhile (a retry's timer fired late): nothing to do
             pass
 
-    def _release(self, params: TransferParams, attempt: int = 0) -> None:
+    def _release(self, params: TransferParams, port: int, attempt: int = 0) -> None:
         try:
-            with guarded(self._peers, params.remote_host, params.remote_port):
-                self._client.release(params.remote_host, params.remote_port, params.remote_request_id,
+            with guarded(self._peers, params.remote_host, port):
+                self._client.release(params.remote_host, port, params.remote_request_id,
                                      self._timeout_s, params.remote_block_ids, params.grant_bytes())
         except Exception as exc:  # the prefill side's lease deadline frees the blocks anyway
             if _worth_retrying(exc) and attempt < len(RETRY_AFTER_S):
                 # A connection that broke under this release (CI: closed before the reply) says
                 # nothing of the next one; a lost release pins the blocks for the whole lease.
-                timer = threading.Timer(RETRY_AFTER_S[attempt], self._submit, (params, attempt + 1))
+                timer = threading.Timer(RETRY_AFTER_S[attempt], self._submit, (params, port, attempt + 1))
                 timer.daemon = True
                 timer.start()
                 return
@@ -76,7 +79,7 @@ class BackgroundReleaser:
                 self._on_failure(exc)
             log = logger.debug if isinstance(exc, PeerDown) else logger.warning  # PeerDown: logged once, at the failure
             log("kv transfer: release of %s on %s:%s failed: %s", params.remote_request_id,
-                params.remote_host, params.remote_port, exc)
+                params.remote_host, port, exc)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -10,7 +10,10 @@ from typing import Any
 class ConnectorSettings:
     backend: str = "tcp"  # transport backend name (kv_transfer.transport registry)
     host: str = "127.0.0.1"  # where this engine's worker serves its blocks
-    port: int = 0  # fixed by the engine server before the engine starts (both roles must agree)
+    # Fixed by the engine server before the engine starts (both roles must agree): the first of
+    # `tp_size` consecutive ports, one per tensor-parallel worker (rank r serves on port + r).
+    port: int = 0
+    tp_size: int = 1
     engine_id: str = ""
     lease_s: float = 10.0  # prefill keeps blocks at most this long for a decode that never pulls
     transfer_timeout_s: float = 5.0  # a pull slower than this fails (then the failure policy applies)
@@ -32,6 +35,15 @@ class ConnectorSettings:
     def to_extra_config(self) -> dict[str, Any]:
         return asdict(self)
 
+    def rank_port(self, tp_rank: int) -> int:
+        """The port tensor-parallel worker `tp_rank` serves its shard of the engine's blocks on."""
+        if not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"tensor-parallel rank {tp_rank} of a {self.tp_size}-rank engine")
+        return self.port + tp_rank if self.port else 0
+
+    def rank_ports(self) -> range:
+        return range(self.port, self.port + self.tp_size)
+
     def grant_key(self):
         """The GrantKey of `grant_secret`, or None without one (no KV is then lent or pulled)."""
         from kv_transfer.grants import GrantKey
@@ -43,7 +55,8 @@ class ConnectorSettings:
         from kv_transfer.grants import EngineGrants
 
         key = self.grant_key()
-        return EngineGrants(key, self.engine_id, self.host, self.port) if key is not None else None
+        # Every rank checks grants against the engine's first port and TP size (grants.py).
+        return EngineGrants(key, self.engine_id, self.host, self.port, self.tp_size) if key is not None else None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -60,6 +73,9 @@ class ConnectorSettings:
             from kv_transfer.grants import GrantKey
 
             GrantKey(settings.grant_secret)  # a malformed secret fails here, not on the first read
+        if not 1 <= settings.tp_size <= 64 or settings.port + settings.tp_size - 1 > 65535:
+            raise ValueError(f"tp_size {settings.tp_size} with first port {settings.port}: needs 1-64 ranks "
+                             "and a port for each")
         if settings.failure_policy not in ("recompute", "fail"):
             raise ValueError(f"failure_policy must be recompute or fail, got {settings.failure_policy!r}")
         return settings

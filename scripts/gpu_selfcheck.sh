@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU self-check of the KV data path: the connector's block copies, the P/D transfer between two
 # connector workers and the KV pool's worker tier, each on caches in GPU memory, in every KV
-# layout vLLM's backends use; then the copy benchmark against a plain device<->host copy.
+# layout vLLM's backends use; then the copy benchmark against a plain device<->host copy; then
+# P/D between two real vLLM engines through our connector (TP 2 on a machine with two GPUs, one
+# KV endpoint per rank), whose greedy output must equal one plain engine's.
 #
 #   bash scripts/gpu_selfcheck.sh            # on a machine with an NVIDIA GPU and the venv built
 #
@@ -21,7 +23,27 @@ PY
 echo "== KV pages, P/D transfer and KV pool tier on cuda"
 MOE_SERVE_KV_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
     tests/unit/test_kv_pages_layouts.py tests/unit/test_kv_connector_worker.py \
-    tests/unit/test_kv_port_security.py tests/unit/test_kv_pool_tier.py
+    tests/unit/test_kv_port_security.py tests/unit/test_kv_pool_tier.py tests/unit/test_kv_tensor_parallel.py
 
 echo "== block copies against a plain device<->host copy"
 "$PY" -m benchmarks.bench_kv_pages --device cuda
+
+echo "== P/D through the connector between two vLLM engines on CUDA, against one plain engine"
+OUT=$(mktemp -d)
+MODEL=$("$PY" -c "from cluster.checkpoints import resolve_model_path as r; print(r('builtin://tiny-qwen3-moe'))")
+GPUS=$(nvidia-smi --list-gpus | wc -l)
+TP=$(( GPUS >= 2 ? 2 : 1 ))
+"$PY" tests/reference_engine.py "$MODEL" "$OUT/plain.json" --max-model-len 2048 --dtype float32 --prompts long,short
+"$PY" tests/tp_disagg_engines.py "$MODEL" "$OUT/pd.json" --tp "$TP" --max-model-len 2048 --dtype float32
+"$PY" - "$OUT/plain.json" "$OUT/pd.json" <<'PY'
+import json, sys
+plain, pd = (json.load(open(path)) for path in sys.argv[1:3])
+kv = pd["decode_kv"]
+print(f"{'prompt':8} {'identical':>9}  (P/D with TP {pd['tp']}, one KV endpoint per rank)")
+for name, tokens in pd["outputs"].items():
+    print(f"{name:8} {str(tokens == plain[name]['token_ids']):>9}")
+rate = kv["bytes_loaded_total"] / max(kv["pull_seconds_total"], 1e-9) / 1e9
+print(f"pulled {kv['bytes_loaded_total']} B in {kv['pulls_succeeded_total']} pulls, {rate:.2f} GB/s over the pulls")
+assert all(tokens == plain[name]["token_ids"] for name, tokens in pd["outputs"].items()), "P/D output differs"
+assert kv["pulls_failed_total"] == 0 and pd["prefill_kv"]["leases_outstanding"] == 0
+PY

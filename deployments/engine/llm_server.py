@@ -57,7 +57,8 @@ class LLMServer:
 
             engine_factory = functools.partial(VLLMEngine.start, ray_metrics=metrics)
         self._stats = ServerStats(replica_id=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
-        self._kv = connector_settings(kv_transfer, self._stats.replica_id) if kv_transfer else None
+        self._kv = (connector_settings(kv_transfer, self._stats.replica_id, int(engine.get("tensor_parallel_size", 1)))
+                    if kv_transfer else None)
         self._kv_client = None
         self._cache_events = None
         factory_options: dict[str, Any] = {}
@@ -227,18 +228,29 @@ class LLMServer:
                              time.monotonic() - started, final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens)
 
     async def release(self, transfer_params: TransferParams) -> None:
-        """Free a prefill's leased blocks that no decode will pull (e.g. the client went away)."""
+        """Free a prefill's leased blocks that no decode will pull (e.g. the client went away),
+        on every tensor-parallel rank (each holds the lease on its shard)."""
         params = transfer_params
-        await asyncio.to_thread(self._kv_client.release, params.remote_host, params.remote_port,
-                                params.remote_request_id, 5.0, tuple(params.remote_block_ids), params.grant_bytes())
+        await asyncio.gather(*(asyncio.to_thread(self._kv_client.release, params.remote_host, port,
+                                                 params.remote_request_id, 5.0, tuple(params.remote_block_ids),
+                                                 params.grant_bytes())
+                               for port in params.rank_ports()))
+
+    async def _kv_stats(self) -> dict:
+        """The connector's counters, from every tensor-parallel rank's port (kv_transfer/rank_stats.py)."""
+        from kv_transfer.rank_stats import merge_rank_stats
+
+        host, first = self._kv["host"], self._kv["port"]
+        ranks = await asyncio.gather(*(asyncio.to_thread(self._kv_client.stats, host, port, 5.0)
+                                       for port in range(first, first + self._kv["tp_size"])))
+        return merge_rank_stats(ranks)
 
     async def stats(self) -> ServerStats:
         self._stats.in_flight_request_ids = sorted(self._in_flight)
         self._stats.engine_unfinished_requests = self._engine.unfinished_requests()
         self._stats.process_id = os.getpid()
         if self._kv_client is not None:
-            self._stats.kv_transfer = await asyncio.to_thread(
-                self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
+            self._stats.kv_transfer = await self._kv_stats()
         return self._stats
 
     def record_routing_stats(self) -> dict:
@@ -267,7 +279,7 @@ class LLMServer:
                 # answer (starting, or saturated), the engine's own load is exported all the
                 # same: the autoscaler and alerts must not lose a replica's queue with it.
                 try:
-                    kv = await asyncio.to_thread(self._kv_client.stats, self._kv["host"], self._kv["port"], 5.0)
+                    kv = await self._kv_stats()
                 except Exception as exc:
                     logger.debug("kv transfer stats unavailable this period: %s", exc)
             try:
@@ -351,12 +363,14 @@ def invalid_request(exc: BaseException) -> EngineFailure | None:
     return None
 
 
-def connector_settings(kv_transfer: dict, engine_id: str) -> dict:
+def connector_settings(kv_transfer: dict, engine_id: str, tp_size: int = 1) -> dict:
     """The manifest's kv_transfer section plus this replica's serving address (and, with a KV
-    pool, the pool's settings with the address this engine's segment is reached at)."""
+    pool, the pool's settings with the address this engine's segment is reached at). A
+    tensor-parallel engine gets `tp_size` consecutive ports, one per worker rank."""
     host = kv_transfer.get("host") or _node_ip()
-    port = reserve_port(host)  # the engine's worker binds it later (deployments/ports.py)
-    settings = {"backend": kv_transfer["backend"], "host": host, "port": port, "engine_id": engine_id,
+    port = reserve_port(host, count=tp_size)  # the engine's workers bind them later (deployments/ports.py)
+    settings = {"backend": kv_transfer["backend"], "host": host, "port": port, "tp_size": tp_size,
+                "engine_id": engine_id,
                 "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
                 "failure_policy": kv_transfer["failure_policy"], "grant_secret": kv_transfer.get("grant_secret", ""),
                 "lends_kv": bool(kv_transfer.get("lends_kv", False)),

@@ -132,15 +132,10 @@ def scheduler_tier(settings: PoolSettings, vllm_config: Any, kv_cache_config: An
                          vllm_config.cache_config.block_size, PoolHealth(settings.retry_after_s))
 
 
-def worker_tier(settings: PoolSettings, vllm_config: Any, kv_cache_config: Any):
+def worker_tier(settings: PoolSettings, vllm_config: Any, kv_cache_config: Any, tp_rank: int):
+    """`tp_rank`: the worker's tensor-parallel rank (its shard's keys)."""
     from kv_transfer.pool.worker_tier import PoolWorker
 
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        rank = get_tensor_model_parallel_rank()
-    except Exception:  # no model-parallel group yet (unit tests)
-        rank = 0
     # Staging: what one batched get or put moves; the store's own buffer is the natural size.
-    return PoolWorker(store_factory(settings), key_space(settings, vllm_config, kv_cache_config), rank,
+    return PoolWorker(store_factory(settings), key_space(settings, vllm_config, kv_cache_config), tp_rank,
                       PoolHealth(settings.retry_after_s), staging_bytes=settings.local_buffer_bytes)

@@ -151,30 +151,44 @@ GPU_COLOCATED = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200.yaml")
 GPU_DISAGG = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200-disagg-ep.yaml")
 
 
-def test_tensor_parallelism_with_the_kv_pool_is_refused_until_tp_workers_get_their_own_kv_ports():
-    # One KV port per engine: TP workers 1..7 would fail to bind it and the engine never starts.
-    error = broken(GPU_COLOCATED, lambda d: d.update(kv_pool={"enabled": True}))
+def test_tensor_parallelism_with_the_kv_pool_is_accepted():
+    # Each TP worker serves on its own KV port and stores its own shard under its rank's key.
+    manifest = parse_manifest({**raw(GPU_COLOCATED), "kv_pool": {"enabled": True}})
+    assert manifest.pools[0].engine.tensor_parallel_size == 8 and manifest.kv_pool.enabled
+
+
+def _no_ep_prefill(d, tp=8):
+    prefill = d["pools"][0]
+    prefill.pop("expert_parallel")
+    prefill["engine"]["tensor_parallel_size"] = tp
+    prefill["placement"]["num_gpus"] = tp
+
+
+def test_prefill_and_decode_with_different_tensor_parallel_sizes_are_refused_naming_both():
+    def tp_prefill_ep_decode_off(d):
+        _no_ep_prefill(d)
+        d["pools"][1].pop("expert_parallel")  # decode: TP 1, one worker per engine
+
+    error = broken(GPU_DISAGG, tp_prefill_ep_decode_off)
     issue = only_issue(error)
-    assert (issue.field, issue.value) == ("pools[0].engine.tensor_parallel_size", 8)
-    assert "KV connector (kv_pool)" in issue.problem and "same KV port" in issue.problem
-    assert "tensor_parallel_size: 1" in issue.fix and "kv_pool.enabled: false" in issue.fix
+    assert (issue.field, issue.value) == ("pools[1].engine.tensor_parallel_size", 1)
+    assert "tensor_parallel_size 8" in issue.problem and "not implemented" in issue.problem
+    assert "same tensor_parallel_size" in issue.fix
     assert_reported(error, issue)
-    assert load_manifest(GPU_COLOCATED).pools[0].engine.tensor_parallel_size == 8  # without kv_pool: fine
 
 
-def test_tensor_parallelism_in_a_prefill_decode_pool_is_refused_naming_the_pool():
-    def tp_prefill(d):
-        prefill = d["pools"][0]
-        prefill.pop("expert_parallel")
-        prefill["engine"]["tensor_parallel_size"] = 8
-        prefill["placement"]["num_gpus"] = 8
+def test_prefill_and_decode_with_the_same_tensor_parallel_size_are_accepted():
+    def both_tp(d):
+        _no_ep_prefill(d, tp=4)
+        decode = d["pools"][1]
+        decode.pop("expert_parallel")
+        decode["engine"]["tensor_parallel_size"] = 4
+        decode["placement"]["num_gpus"] = 4
 
-    error = broken(GPU_DISAGG, tp_prefill)
-    issue = only_issue(error)
-    assert (issue.field, issue.value) == ("pools[0].engine.tensor_parallel_size", 8)
-    assert "KV connector (P/D)" in issue.problem
-    assert "tensor_parallel_size: 1" in issue.fix and "kv_pool" not in issue.fix  # dropping it would not help
-    assert_reported(error, issue)
+    data = raw(GPU_DISAGG)
+    both_tp(data)
+    manifest = parse_manifest(data)
+    assert [p.engine.tensor_parallel_size for p in manifest.pools] == [4, 4]
 
 
 def test_an_expert_parallel_pool_with_tensor_parallelism_gets_one_issue_not_two():
@@ -185,3 +199,11 @@ def test_an_expert_parallel_pool_with_tensor_parallelism_gets_one_issue_not_two(
     issue = only_issue(broken(GPU_DISAGG, tp_decode))
     assert (issue.field, issue.value) == ("pools[1].engine.tensor_parallel_size", 2)
     assert "expert-parallel" in issue.problem
+
+
+def test_the_mooncake_transfer_backend_on_a_gpu_manifest_is_refused_naming_tcp():
+    error = broken(GPU_DISAGG, lambda d: d["kv_transfer"].update(backend="mooncake"))
+    issue = only_issue(error)
+    assert (issue.field, issue.value) == ("kv_transfer.backend", "mooncake")
+    assert "device memory" in issue.problem and "backend: tcp" in issue.fix
+    assert_reported(error, issue)

@@ -43,3 +43,17 @@ def test_an_unreadable_range_file_means_linux_defaults(tmp_path):
     assert ephemeral_range(tmp_path / "missing") == (32768, 60999)
     (tmp_path / "range").write_text("40000\t50000\n")
     assert ephemeral_range(tmp_path / "range") == (40000, 50000)
+
+
+def test_a_run_of_ports_for_a_tensor_parallel_engine_is_free_and_outside_the_ephemeral_range():
+    low, high = ephemeral_range()
+    for seed in range(10):
+        first = reserve_port("127.0.0.1", rng=random.Random(seed), count=4)
+        assert all(not low <= p <= high and p >= LOWEST_PORT for p in range(first, first + 4))
+        listeners = [socket.socket() for _ in range(4)]
+        try:
+            for offset, listener in enumerate(listeners):  # every rank's port can be bound now
+                listener.bind(("127.0.0.1", first + offset))
+        finally:
+            for listener in listeners:
+                listener.close()
