@@ -5,12 +5,26 @@
 # P/D between two real vLLM engines through our connector (TP 2 on a machine with two GPUs, one
 # KV endpoint per rank), whose greedy output must equal one plain engine's.
 #
-#   bash scripts/gpu_selfcheck.sh            # on a machine with an NVIDIA GPU and the venv built
+#   bash scripts/gpu_selfcheck.sh            # on a machine with an NVIDIA GPU (driver >= 580)
+#   PYTHON=/path/to/python bash scripts/gpu_selfcheck.sh   # with a GPU stack installed already
 #
-# Exits non-zero on the first failing step. Writes benchmarks/results/kv_pages-cuda.json.
+# From a bare machine it installs what it needs first: Mooncake's libraries (apt), the `gpu`
+# stack in .venv-gpu (upstream vLLM with its CUDA torch, Mooncake's CUDA 13 wheel) and the tiny
+# checkpoints (built locally). Exits non-zero on the first failing step. Writes
+# benchmarks/results/kv_pages-cuda.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+if [ -z "${PYTHON:-}" ] && [ ! -x .venv-gpu/bin/python ]; then
+  echo "== installing the gpu stack into .venv-gpu (a few minutes)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+      libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4 >/dev/null
+  python3 -m venv .venv-gpu
+  .venv-gpu/bin/pip install -q -e ".[gpu,dev]"
+fi
+PY=${PYTHON:-.venv-gpu/bin/python}
+"$PY" -m cluster.checkpoints --all --quiet
 
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
