@@ -76,6 +76,12 @@ def rdma_layout_issues(manifest: Manifest, shapes: list[PodShape]) -> list[Manif
             "nor the IPC_LOCK capability to register the pool's memory",
             "add kubernetes.rdma with your RDMA device plugin's resource (e.g. resources_per_pod: {rdma/ib: 1}), "
             "or set kv_pool.protocol: tcp"))
+    if manifest.disaggregated and manifest.kv_transfer.protocol == "rdma" and rdma is None:
+        issues.append(ManifestIssue(
+            "kubernetes.rdma", None, "kv_transfer.protocol is rdma, and the engine pods would have no RDMA "
+            "device nor the IPC_LOCK capability to register their KV staging",
+            "add kubernetes.rdma with your RDMA device plugin's resource (e.g. resources_per_pod: {rdma/ib: 1}), "
+            "or set kv_transfer.protocol: tcp"))
     return issues
 
 

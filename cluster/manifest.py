@@ -291,12 +291,13 @@ class Manifest(_Strict):
         if self.kv_pool.enabled and self.kv_pool.protocol == "rdma" and self.accelerator is Accelerator.cpu:
             problems.append(ManifestIssue(
                 "kv_pool.protocol", "rdma", "RDMA on a cpu manifest", "use protocol: tcp on CPU machines"))
-        if self.disaggregated and self.kv_transfer.backend == "mooncake" and self.accelerator is Accelerator.gpu:
+        if self.kv_transfer.protocol == "rdma" and self.kv_transfer.backend != "mooncake":
             problems.append(ManifestIssue(
-                "kv_transfer.backend", "mooncake",
-                "the mooncake P/D backend moves bytes in place from KV caches in host memory (vLLM CPU); "
-                "GPU engines keep theirs in device memory, so every engine would refuse it at start",
-                "use kv_transfer.backend: tcp (blocks staged through pinned host memory, any device)"))
+                "kv_transfer.protocol", "rdma", f"backend {self.kv_transfer.backend!r} speaks tcp only",
+                "set kv_transfer.backend: mooncake for RDMA, or protocol: tcp"))
+        if self.kv_transfer.protocol == "rdma" and self.accelerator is Accelerator.cpu:
+            problems.append(ManifestIssue(
+                "kv_transfer.protocol", "rdma", "RDMA on a cpu manifest", "use protocol: tcp on CPU machines"))
         problems.extend(kv_connector_issues(self))
         problems.extend(autoscaling_issues(self))
         problems.extend(timeout_issues(self))

@@ -39,6 +39,15 @@ class KVTransferSpec(_Strict):
     and when that replica's prefix cache holds at least this fraction of the prompt, it prefills
     the rest itself instead of pulling it from a prefill replica. Needs the decode pool's
     `routing.policy: prefix` and `engine.enable_prefix_caching: true`. None: off."""
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Mooncake's transport between engines (backend mooncake only): tcp runs anywhere; rdma
+    needs RDMA NICs on prefill and decode nodes (kubernetes.rdma gives pods the devices)."""
+    device_name: str = ""
+    """RDMA devices for protocol rdma (e.g. mlx5_0,mlx5_1); empty: Mooncake finds them."""
+    staging_mib: Annotated[int, Field(ge=16, le=1_048_576)] = 256
+    """Backend mooncake: host memory each engine worker registers once to stage KV it cannot
+    move in place (GPU caches): it bounds the KV one worker has in flight; a pull that finds it
+    full fails (then failure_policy applies)."""
 
 
 class KVPoolSpec(_Strict):

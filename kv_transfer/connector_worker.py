@@ -140,7 +140,8 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._load_times: dict[str, LoadTiming] = {}  # finished loads, until the next step reports them
         self._pulls = ThreadPoolExecutor(settings.max_concurrent_pulls, thread_name_prefix="kv-pull")
-        self._client = self._backend.client_cls()
+        self._client = self._backend.client_cls(
+            **self._backend.client_options(settings.protocol, settings.device_name, settings.host))
         # A peer found unreachable fails pulls and releases at once for a while (peer_health.py), and
         # releases have threads of their own (two: one may wait out a dead peer's first timeout):
         # a dead prefill node costs one timeout, and pulls from healthy ones never queue behind it.
@@ -157,16 +158,24 @@ class WorkerSide:
         """`pages`: kv_pages.KVPages over the engine's caches (or a test's equivalent)."""
         if self._pool is not None:
             self._pool.attach(pages)  # the pool always copies through host staging
-        # P/D pages: host-staged copies (any device), or in place for a backend that registers
-        # engine memory (refused for a device cache, at engine start rather than per request).
-        self._pages = pages.host_memory() if self._backend.moves_engine_memory else pages
+        # P/D pages: host-staged copies (any device). A backend that registers memory with its
+        # engine (mooncake) moves a host cache's dense blocks in place, and any other cache (on a
+        # GPU, or strided) through one staging arena registered once.
+        if self._backend.moves_engine_memory:
+            self._pages = (pages.host_memory() if pages.in_place()
+                           else pages.registered_staging(self._settings.staging_bytes))
+        else:
+            self._pages = pages
         self._client.register_sink(self._pages)  # backends that register memory do it once, here
         self._server = self._backend.server_cls(self._settings.host, self._port, source=self._pages,
                                             on_release=self._on_release, on_stats=self.stats,
                                             leases=_ReadGuard(self),
                                             # Only an engine that lends KV answers reads and releases.
                                             grant_key=self._settings.engine_grants() if self._settings.lends_kv else None,
-                                            max_connections=self._settings.max_connections)
+                                            max_connections=self._settings.max_connections,
+                                            **self._backend.server_options(self._settings.transfer_timeout_s,
+                                                                           self._settings.protocol,
+                                                                           self._settings.device_name))
         self._server.start()
         logger.info("kv transfer: serving %d layers x %d blocks (%d B pages; %s) on %s:%s via %s (TP rank %d of %d)",
                     pages.num_layers, pages.num_blocks, pages.page_bytes,

@@ -79,3 +79,74 @@ def _size_class(nbytes: int) -> int:
     while size < nbytes:
         size *= 2
     return size
+
+
+class StagingExhausted(RuntimeError):
+    """A registered staging arena has no room for another transfer now."""
+
+
+class RegisteredStaging:
+    """HostStaging's interface over one arena allocated once, for a transport that registers
+    memory with a NIC (Mooncake over RDMA): the arena is registered once (`regions()`), and a
+    buffer carved from it is never freed, only handed out again, so no registered range ever
+    outlives its memory (an RDMA registration pins the pages it was made on; memory freed and
+    allocated again at the same address would not be those pages).
+
+    Buffers are carved by power-of-two size class on first need and kept on free lists after;
+    a transfer that finds no buffer of its class free and no room left gets StagingExhausted
+    (the caller fails that transfer; the pull's failure policy then recomputes).
+    """
+
+    def __init__(self, arena_bytes: int, pinned: bool):
+        self._arena = torch.empty(arena_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self._base = self._arena.data_ptr()
+        self._lock = threading.Lock()
+        self._free: dict[int, list[int]] = {}  # size class -> offsets of free buffers
+        self._out: dict[int, int] = {}  # offset -> size class of buffers handed out
+        self._carved = 0
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(self._base, self._arena.numel())]
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = 1
+        for n in shape:
+            nbytes *= n
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                offset = free.pop()
+            elif self._carved + size <= self._arena.numel():
+                offset, self._carved = self._carved, self._carved + size
+            else:
+                raise StagingExhausted(
+                    f"KV staging arena of {self._arena.numel() >> 20} MiB has no free {size >> 20} MiB buffer "
+                    "for this transfer (transfers in flight hold the rest; raise kv_transfer.staging_mib)")
+            self._out[offset] = size
+        return self._arena[offset:offset + nbytes].view(shape)
+
+    def give_back(self, staged: torch.Tensor) -> None:
+        offset = staged.data_ptr() - self._base
+        with self._lock:
+            size = self._out.pop(offset, None)
+            if size is not None:
+                self._free.setdefault(size, []).append(offset)
+
+    @contextlib.contextmanager
+    def lease(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+        staged = self.take(shape)
+        try:
+            yield staged
+        finally:
+            self.give_back(staged)
+
+    def views_until_dropped(self, staged: torch.Tensor) -> memoryview:
+        array = staged.numpy()
+        weakref.finalize(array, self.give_back, staged)
+        return memoryview(array).cast("B")
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self._lock:
+            return sum(self._out.values())

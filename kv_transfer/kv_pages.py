@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.host_staging import HostStaging
+from kv_transfer.host_staging import HostStaging, RegisteredStaging
 
 
 class KVLayoutError(ValueError):
@@ -142,15 +142,34 @@ class KVPages:
 
     def pages(self, block_ids: list[int]) -> list[memoryview]:
         """PageSource: a snapshot of these blocks as one page per (layer, block), layer-major."""
-        staged = self.gather(block_ids)
-        return _page_views(self._staging.views_until_dropped(staged), staged.shape)
+        return self._snapshot(block_ids, self._staging)
 
     @contextlib.contextmanager
     def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
         """Host pages to receive these blocks into; written to the cache when the block exits
         without an exception (a failed transfer leaves the cache as it was)."""
+        with self._receiving(block_ids, self._staging) as pages:
+            yield pages
+
+    def registered_staging(self, arena_bytes: int) -> "RegisteredKVStaging":
+        """The same pages staged through one host arena registered once (`regions()`), for a
+        transport that registers memory with a NIC: any device, any layout."""
+        return RegisteredKVStaging(self, RegisteredStaging(arena_bytes, pinned=self.device.type == "cuda"))
+
+    def _snapshot(self, block_ids: list[int], staging) -> list[memoryview]:
+        self._check_ids(block_ids)  # before a buffer is taken: a refused read keeps none
+        staged = staging.take(self._staged_shape(len(block_ids)))
+        try:
+            self._gather_into(staged, block_ids)
+        except BaseException:
+            staging.give_back(staged)
+            raise
+        return _page_views(staging.views_until_dropped(staged), staged.shape)
+
+    @contextlib.contextmanager
+    def _receiving(self, block_ids: list[int], staging) -> Iterator[list[memoryview]]:
         self._check_ids(block_ids)  # refuse bad ids before any byte arrives (no device index yet)
-        with self._staging.lease(self._staged_shape(len(block_ids))) as staged:
+        with staging.lease(self._staged_shape(len(block_ids))) as staged:
             yield _page_views(memoryview(staged.numpy()).cast("B"), staged.shape)
             self.scatter(block_ids, staged)
 
@@ -162,6 +181,11 @@ class KVPages:
                 "through host addresses, so it serves only a cache in host memory; use "
                 "kv_transfer.backend: tcp (host-staged, any device)")
         return HostKVMemory(self._layers, self.num_blocks, self.page_bytes)
+
+    def in_place(self) -> bool:
+        """Whether `host_memory()` can serve this cache (host memory, dense blocks)."""
+        return self.device.type == "cpu" and all(
+            layer.tensor[(*(0 for _ in layer.leading), 0)].is_contiguous() for layer in self._layers)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -230,6 +254,33 @@ class HostKVMemory:
     @contextlib.contextmanager
     def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
         yield self.pages(block_ids)
+
+
+class RegisteredKVStaging:
+    """KVPages' staged pages through a RegisteredStaging arena: the "mooncake" backend registers
+    `regions()` (the arena) once and reads or writes pages there, while the blocks are gathered
+    from and scattered into the engine's cache on its device as on every staged path. A page
+    snapshot lives until the transport server drops its views (the mooncake server holds them
+    until the lease is released or its read window has passed)."""
+
+    def __init__(self, pages: KVPages, staging: RegisteredStaging):
+        self._kv, self._staging = pages, staging
+        self.num_layers, self.num_blocks, self.page_bytes = pages.num_layers, pages.num_blocks, pages.page_bytes
+        self.device = pages.device
+
+    def describe(self) -> str:
+        return f"{self._kv.describe()}, staged through a registered {self._staging.regions()[0][1] >> 20} MiB arena"
+
+    def regions(self) -> list[tuple[int, int]]:
+        return self._staging.regions()
+
+    def pages(self, block_ids: list[int]) -> list[memoryview]:
+        return self._kv._snapshot(block_ids, self._staging)
+
+    @contextlib.contextmanager
+    def receiving(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
+        with self._kv._receiving(block_ids, self._staging) as pages:
+            yield pages
 
 
 def _page_views(flat: memoryview, shape: tuple[int, ...]) -> list[memoryview]:

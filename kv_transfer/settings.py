@@ -28,6 +28,12 @@ class ConnectorSettings:
     # keep blocks under leases and answer reads; the others' transfer port answers releases
     # and stats only.
     lends_kv: bool = False
+    # The "mooncake" backend's registered host staging per worker, for caches it cannot move in
+    # place (GPU memory, strided blocks): bounds the KV in flight (sent and received) at once.
+    staging_bytes: int = 256 << 20
+    # Mooncake's transport between engines (backend "mooncake"): tcp, or rdma over device_name's NICs.
+    protocol: str = "tcp"
+    device_name: str = ""
     # Connections the transfer server serves at once, sized by the builder from the topology
     # (every decode rank's pull pool plus releasers); past it idle ones are closed first.
     max_connections: int = 256

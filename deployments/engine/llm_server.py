@@ -374,7 +374,9 @@ def connector_settings(kv_transfer: dict, engine_id: str, tp_size: int = 1) -> d
                 "lease_s": kv_transfer["lease_s"], "transfer_timeout_s": kv_transfer["transfer_timeout_s"],
                 "failure_policy": kv_transfer["failure_policy"], "grant_secret": kv_transfer.get("grant_secret", ""),
                 "lends_kv": bool(kv_transfer.get("lends_kv", False)),
-                "max_connections": int(kv_transfer.get("max_connections", 256))}
+                "max_connections": int(kv_transfer.get("max_connections", 256)),
+                "protocol": kv_transfer.get("protocol", "tcp"), "device_name": kv_transfer.get("device_name", ""),
+                "staging_bytes": int(kv_transfer.get("staging_mib", 256)) << 20}
     if kv_transfer.get("pool"):
         settings["pool"] = {**kv_transfer["pool"], "local_hostname": host}
     return settings

@@ -150,6 +150,18 @@ class TransportBackend:
     moves_engine_memory: ClassVar[bool] = False
 
     @classmethod
+    def server_options(cls, transfer_timeout_s: float, protocol: str = "tcp", device_name: str = "") -> dict[str, Any]:
+        """This backend's own keyword arguments for its server (none for ours, which speaks tcp only)."""
+        if protocol != "tcp":
+            raise ValueError(f"the {cls.name!r} KV transport speaks tcp only, not {protocol!r}")
+        return {}
+
+    @classmethod
+    def client_options(cls, protocol: str = "tcp", device_name: str = "", local_host: str = "") -> dict[str, Any]:
+        """This backend's own keyword arguments for its client."""
+        return {}
+
+    @classmethod
     def server(cls, host: str, port: int, source: PageSource, on_release: Callable[[str], None],
                on_stats: Callable[[], dict], *, leases: LeaseLookup | None = None,
                grant_key: Any = None) -> TransferServer:

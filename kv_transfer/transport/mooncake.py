@@ -1,5 +1,8 @@
-"""Mooncake backend ("mooncake"): page bytes move through Mooncake's transfer engine (its TCP
-protocol; RDMA is not wired up here), control stays on the "tcp" backend's protocol.
+"""Mooncake backend ("mooncake"): page bytes move through Mooncake's transfer engine (its tcp or
+rdma transport: kv_transfer.protocol and device_name), control stays on the "tcp" backend's
+protocol. A dense cache in host memory (vLLM CPU) is registered and read in place; any other
+(GPU memory, strided blocks) is staged through one host arena registered once
+(kv_pages.RegisteredKVStaging), which the server keeps a described snapshot in until its release.
 
     client                                   server (owns a TransferEngine; page memory registered)
     DESCRIBE_BLOCKS(rid, block_ids)  ->      lease check, source.pages(block_ids)
@@ -36,4 +39,13 @@ from kv_transfer.transport.mooncake_server import MooncakeTransferServer
 class MooncakeBackend(TransportBackend):
     server_cls = MooncakeTransferServer
     client_cls = MooncakeTransferClient
-    moves_engine_memory = True  # so a host-memory cache only, until device memory is registered
+    moves_engine_memory = True  # in place for a dense host cache, else through a registered arena
+
+    @classmethod
+    def server_options(cls, transfer_timeout_s: float, protocol: str = "tcp", device_name: str = "") -> dict:
+        # Described pages outlive any read the client still counts as in time.
+        return {"hold_s": 2 * transfer_timeout_s + 1.0, "protocol": protocol, "device_name": device_name}
+
+    @classmethod
+    def client_options(cls, protocol: str = "tcp", device_name: str = "", local_host: str = "") -> dict:
+        return {"protocol": protocol, "device_name": device_name, "local_host": local_host}

@@ -29,15 +29,20 @@ class MooncakeTransferClient(TcpTransferClient):
     raises TransferTimeout all the same, because the server may have reused the blocks by then.
     """
 
-    def __init__(self, *, max_idle_per_peer: int = 4):
+    def __init__(self, *, max_idle_per_peer: int = 4, protocol: str = "tcp", device_name: str = "",
+                 local_host: str = ""):
+        """`local_host`: the address this engine is reached at (its name in RDMA handshakes);
+        empty: the local address of the route towards the first peer."""
         super().__init__(max_idle_per_peer=max_idle_per_peer)
+        self._protocol, self._device_name, self._local_host = protocol, device_name, local_host
         self._engine_lock = threading.Lock()
         self._engine = None
         self._memory: MemoryRegistry | None = None
 
     def register_sink(self, sink: PageSink) -> None:
         if isinstance(sink, HasRegions):
-            # No peer known yet: name the engine by loopback (the name matters only for RDMA).
+            # No peer known yet: without local_host the engine is named by loopback, which
+            # matters only for RDMA (WorkerSide passes its serving address).
             self._local_memory("127.0.0.1").add_regions(sink.regions())
 
     def fetch(self, host, port, request_id, remote_block_ids, dest_pages, timeout_s, grant=b"") -> FetchResult:
@@ -83,7 +88,8 @@ class MooncakeTransferClient(TcpTransferClient):
     def _local_memory(self, peer_host: str) -> MemoryRegistry:
         with self._engine_lock:
             if self._memory is None:
-                self._engine = new_engine(_local_address_towards(peer_host))
+                name = self._local_host or _local_address_towards(peer_host)
+                self._engine = new_engine(name, self._protocol, self._device_name)
                 self._memory = MemoryRegistry(self._engine)
             return self._memory
 

@@ -17,22 +17,26 @@ from kv_transfer.errors import TransferFailed
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "tcp"  # Mooncake's TCP transport: no RDMA hardware needed
+PROTOCOLS = ("tcp", "rdma")  # Mooncake's transports we configure: tcp runs anywhere, rdma needs NICs
 _RC_OVERLAP = -7  # register_memory: "does not support overlapped memory region"
 
 
-def new_engine(hostname: str):
+def new_engine(hostname: str, protocol: str = "tcp", device_name: str = ""):
     """A TransferEngine in P2P-handshake mode (no metadata server); its rpc port is ephemeral.
 
-    `hostname` is the address peers reach this engine at.
+    `hostname` is the address peers reach this engine at; `protocol` Mooncake's transport
+    (tcp, or rdma over the NICs named in `device_name`, e.g. "mlx5_0,mlx5_1"; empty: Mooncake
+    discovers them).
     """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"Mooncake protocol {protocol!r}: choose one of {PROTOCOLS}")
     from mooncake.engine import TransferEngine  # optional dependency: only this backend needs it
 
     engine = TransferEngine()
-    rc = engine.initialize(hostname, "P2PHANDSHAKE", PROTOCOL, "")
+    rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
     if rc != 0:
         raise TransferFailed(f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, "
-                             f"{PROTOCOL}) returned {rc}")
+                             f"{protocol}, {device_name!r}) returned {rc}")
     return engine
 
 

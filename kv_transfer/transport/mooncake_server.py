@@ -8,6 +8,8 @@ live, and the client then reads them with the engine, without this process copyi
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from kv_transfer import wire
 from kv_transfer.errors import KVTransferError
@@ -25,15 +27,25 @@ class MooncakeTransferServer(TcpTransferServer):
     in its handshake, and clients read from the engine at `host:rpc_port`."""
 
     def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None,
-                 max_connections: int = 256):
-        super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key,
-                         max_connections=max_connections)
+                 max_connections: int = 256, hold_s: float = 30.0, protocol: str = "tcp",
+                 device_name: str = ""):
+        """`hold_s`: how long described pages are kept for the client's read when no release
+        comes (at least the client's transfer timeout: a read still running after it has failed)."""
+        super().__init__(host, port, source, self._released(on_release), on_stats, leases=leases,
+                         grant_key=grant_key, max_connections=max_connections)
+        # Pages described to a client, kept until its release (or hold_s): a staged snapshot's
+        # buffer goes back to the staging arena when its last view is dropped, and the client
+        # reads it after DESCRIBE has returned. In-place pages are views of the cache itself.
+        self._hold_s = hold_s
+        self._protocol, self._device_name = protocol, device_name
+        self._held: dict[str, list[tuple[float, list]]] = {}
+        self._held_lock = threading.Lock()
         self._engine = None
         self._memory: MemoryRegistry | None = None
         self.rpc_port = 0
 
     def start(self) -> None:
-        engine = new_engine(self.host)
+        engine = new_engine(self.host, self._protocol, self._device_name)
         memory = MemoryRegistry(engine)
         if isinstance(self.source, HasRegions):
             memory.add_regions(self.source.regions())
@@ -54,6 +66,7 @@ class MooncakeTransferServer(TcpTransferServer):
                   deadline: Deadline, grant: bytes = b"") -> bool:
         if msg_type != MessageType.DESCRIBE_BLOCKS:
             return super()._dispatch(conn, msg_type, request_id, block_ids, deadline, grant)
+        self._drop_expired(time.monotonic())
         pages = self._leased_pages(request_id, block_ids, grant)
         if isinstance(pages, str):
             reply = wire.encode_error(request_id, pages)
@@ -66,8 +79,33 @@ class MooncakeTransferServer(TcpTransferServer):
                     self.rpc_port, [(address, p.nbytes) for (address, _), p in zip(placed, pages)],
                     pages_in_regions=all(region is not None for _, region in placed))
                 reply = wire.encode_ok(request_id, wire.encode_page_table(table))
+                with self._held_lock:
+                    self._held.setdefault(request_id, []).append((time.monotonic() + self._hold_s, pages))
             except (KVTransferError, ValueError, TypeError) as exc:  # registration or encoding
                 log.exception("describing blocks %r of %r failed", block_ids, request_id)
                 reply = wire.encode_error(request_id, f"cannot describe blocks of {request_id!r}: {exc}")
         send_buffers(conn, [reply], deadline)
         return True
+
+    def _released(self, on_release):
+        """on_release, after which the released request's described pages are let go (called
+        only for a release whose grant verified: nobody else can end another's read)."""
+        def released(request_id: str) -> None:
+            with self._held_lock:
+                self._held.pop(request_id, None)
+            on_release(request_id)
+        return released
+
+    def _drop_expired(self, now_s: float) -> None:
+        with self._held_lock:
+            for request_id in list(self._held):
+                kept = [(until, pages) for until, pages in self._held[request_id] if until > now_s]
+                if kept:
+                    self._held[request_id] = kept
+                else:
+                    del self._held[request_id]
+
+    @property
+    def held_requests(self) -> int:
+        with self._held_lock:
+            return len(self._held)

@@ -189,12 +189,23 @@ def test_an_rdma_kv_pool_without_the_section_is_refused_at_build():
     data = _data()
     del data["kubernetes"]["rdma"]
     data["kv_pool"] = {"enabled": True, "protocol": "rdma"}
+    data["kv_transfer"]["protocol"] = "tcp"  # this test is about the pool's
     with pytest.raises(ManifestError) as caught:
         _doc(data)
     (issue,) = caught.value.issues
     assert issue.field == "kubernetes.rdma" and "kv_pool.protocol: tcp" in issue.fix
     data["kubernetes"]["rdma"] = {"resources_per_pod": {"rdma/ib": 1}}
     assert validate_rayservice(_doc(data)) == []
+
+
+def test_rdma_kv_transfer_without_the_section_is_refused_at_build():
+    data = _data()
+    del data["kubernetes"]["rdma"]
+    assert data["kv_transfer"]["protocol"] == "rdma"  # the P/D GPU example's
+    with pytest.raises(ManifestError) as caught:
+        _doc(data)
+    (issue,) = caught.value.issues
+    assert issue.field == "kubernetes.rdma" and "kv_transfer.protocol: tcp" in issue.fix
 
 
 def test_the_schema_check_catches_a_hand_edited_rdma_part():

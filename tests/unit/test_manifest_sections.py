@@ -201,9 +201,14 @@ def test_an_expert_parallel_pool_with_tensor_parallelism_gets_one_issue_not_two(
     assert "expert-parallel" in issue.problem
 
 
-def test_the_mooncake_transfer_backend_on_a_gpu_manifest_is_refused_naming_tcp():
-    error = broken(GPU_DISAGG, lambda d: d["kv_transfer"].update(backend="mooncake"))
+def test_rdma_for_kv_transfer_needs_the_mooncake_backend_and_a_gpu_manifest():
+    error = broken(GPU_DISAGG, lambda d: d["kv_transfer"].update(backend="tcp"))
     issue = only_issue(error)
-    assert (issue.field, issue.value) == ("kv_transfer.backend", "mooncake")
-    assert "device memory" in issue.problem and "backend: tcp" in issue.fix
+    assert (issue.field, issue.value) == ("kv_transfer.protocol", "rdma")
+    assert "tcp only" in issue.problem and "backend: mooncake" in issue.fix
     assert_reported(error, issue)
+    manifest = load_manifest(GPU_DISAGG)
+    assert (manifest.kv_transfer.backend, manifest.kv_transfer.protocol) == ("mooncake", "rdma")
+    issue = only_issue(broken(LOCAL, lambda d: d.setdefault("kv_transfer", {}).update(
+        backend="mooncake", protocol="rdma")))
+    assert (issue.field, issue.problem) == ("kv_transfer.protocol", "RDMA on a cpu manifest")
