@@ -24,12 +24,26 @@ def _lbnhc(generator=None) -> torch.Tensor:
     return buffer.permute(0, 2, 1, 3)
 
 
+def _fp8(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp8 (e4m3) KV cache of the same layout: one byte per element."""
+    return tensor.to(torch.float8_e4m3fn)
+
+
 LAYOUTS = {
     "cpu_gqa_lbhnc": lambda g: torch.randn(BLOCKS, HEADS, 2 * BLOCK_SIZE, HEAD_DIM, generator=g),
     "cuda_gqa_lbnhc": _lbnhc,
+    "cuda_gqa_lbnhc_fp8": lambda g: _fp8(_lbnhc(g)),
     "mla_latent": lambda g: torch.randn(BLOCKS, BLOCK_SIZE, 576, generator=g),
+    # vLLM's fp8_ds_mla cache: 656 bytes per token (fp8 latent, scales, bf16 rope part) as uint8.
+    "mla_fp8_ds": lambda g: torch.randint(0, 256, (BLOCKS, BLOCK_SIZE, 656), generator=g, dtype=torch.uint8),
     "kv_split": lambda g: torch.randn(2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, generator=g),
+    "kv_split_fp8": lambda g: _fp8(torch.randn(2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, generator=g)),
 }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (torch.equal has no fp8 kernel on CPU)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
@@ -58,9 +72,9 @@ def test_gather_then_scatter_copies_exactly_the_named_blocks(layout):
     sink.scatter(local, source.gather(remote))
     for name in source_caches:
         for r, l in zip(remote, local):
-            assert torch.equal(_block(sink_caches[name], l), _block(source_caches[name], r)), (name, r, l)
+            assert _same(_block(sink_caches[name], l), _block(source_caches[name], r)), (name, r, l)
         for other in set(range(BLOCKS)) - set(local):
-            assert torch.equal(_block(sink_caches[name], other), _block(untouched[name], other))
+            assert _same(_block(sink_caches[name], other), _block(untouched[name], other))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -74,7 +88,7 @@ def test_pages_received_into_reach_the_cache_only_when_the_transfer_succeeds(lay
         with sink.receiving([0, 1]) as dest:
             dest[0][:] = sent[0]
             raise ConnectionError("peer went away mid-transfer")
-    assert all(torch.equal(sink_caches[n], before[n]) for n in sink_caches)
+    assert all(_same(sink_caches[n], before[n]) for n in sink_caches)
     with sink.receiving([0, 1]) as dest:
         for d, s in zip(dest, sent):
             d[:] = s
