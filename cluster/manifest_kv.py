@@ -119,8 +119,10 @@ def kv_connector_issues(manifest: Any) -> list[ManifestIssue]:
         return []
     (_, prefill), (decode_index, decode) = sizes["prefill"], sizes["decode"]
     prefill_tp, decode_tp = prefill.engine.tensor_parallel_size, decode.engine.tensor_parallel_size
-    if prefill_tp == decode_tp or prefill.expert_parallel is not None or decode.expert_parallel is not None:
-        return []  # expert-parallel pools refuse TP > 1 on their own (one issue, not two)
+    ep_with_tp = any(pool.expert_parallel is not None and pool.engine.tensor_parallel_size > 1
+                     for pool in (prefill, decode))
+    if prefill_tp == decode_tp or ep_with_tp:
+        return []  # an expert-parallel pool with TP > 1 is refused on its own (one issue, not two)
     return [ManifestIssue(
         f"pools[{decode_index}].engine.tensor_parallel_size", decode_tp,
         f"the prefill pool {prefill.name!r} runs tensor_parallel_size {prefill_tp} and the decode pool "

@@ -199,6 +199,9 @@ class SchedulerSide:
         else:
             if self._grant_key is None:
                 refused = "this engine has no grant secret, so it pulls no KV"
+            elif transfer.remote_tp_size != self._settings.tp_size:
+                refused = (f"the prefill engine has {transfer.remote_tp_size} tensor-parallel ranks and this "
+                           f"one {self._settings.tp_size}, so no rank holds the heads another pulls")
             else:
                 refused = self._grant_key.check(transfer.grant_scope(), transfer.grant_bytes(), now_ms=None)
         if refused is None:

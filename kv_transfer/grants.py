@@ -51,8 +51,9 @@ class GrantScope:
         # Length-prefixed fields: no choice of ids can make two scopes sign the same bytes.
         parts = [self.engine_id.encode("utf-8", "surrogatepass"), self.host.encode("utf-8", "surrogatepass"),
                  str(int(self.port)).encode(), self.request_id.encode("utf-8", "surrogatepass"),
-                 struct.pack(f"!{len(self.block_ids)}I", *self.block_ids), str(int(deadline_ms)).encode(),
-                 str(int(self.tp_size)).encode()]
+                 struct.pack(f"!{len(self.block_ids)}I", *self.block_ids), str(int(deadline_ms)).encode()]
+        if self.tp_size != 1:  # TP 1 signs as before, so engines of the last release still verify
+            parts.append(str(int(self.tp_size)).encode())
         return b"".join(_FIELD_LEN.pack(len(p)) + p for p in parts)
 
 

@@ -10,6 +10,7 @@ pages handed to a transport server, when the last view of it is gone (`views_unt
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import weakref
@@ -19,6 +20,7 @@ import torch
 
 MIN_CLASS_BYTES = 1 << 20
 MAX_KEPT_BYTES = 512 << 20  # per engine worker; a transfer larger than this is staged unpooled
+ARENA_ALIGN = 4096  # RegisteredStaging's ranges start on page boundaries
 
 
 class HostStaging:
@@ -92,18 +94,18 @@ class RegisteredStaging:
     outlives its memory (an RDMA registration pins the pages it was made on; memory freed and
     allocated again at the same address would not be those pages).
 
-    Buffers are carved by power-of-two size class on first need and kept on free lists after;
-    a transfer that finds no buffer of its class free and no room left gets StagingExhausted
-    (the caller fails that transfer; the pull's failure policy then recomputes).
+    Buffers are ranges of the arena, first fit, rounded to ARENA_ALIGN; a range given back is
+    merged with free neighbours, so the arena never splits for good into sizes it once served.
+    A transfer that finds no free range large enough gets StagingExhausted (the caller fails that
+    transfer; the pull's failure policy then recomputes).
     """
 
     def __init__(self, arena_bytes: int, pinned: bool):
         self._arena = torch.empty(arena_bytes, dtype=torch.uint8, pin_memory=pinned)
         self._base = self._arena.data_ptr()
         self._lock = threading.Lock()
-        self._free: dict[int, list[int]] = {}  # size class -> offsets of free buffers
-        self._out: dict[int, int] = {}  # offset -> size class of buffers handed out
-        self._carved = 0
+        self._free: list[tuple[int, int]] = [(0, arena_bytes)] if arena_bytes else []  # (offset, size), sorted
+        self._out: dict[int, int] = {}  # offset -> size of ranges handed out
 
     def regions(self) -> list[tuple[int, int]]:
         return [(self._base, self._arena.numel())]
@@ -112,16 +114,15 @@ class RegisteredStaging:
         nbytes = 1
         for n in shape:
             nbytes *= n
-        size = _size_class(nbytes)
+        size = max(ARENA_ALIGN, -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                offset = free.pop()
-            elif self._carved + size <= self._arena.numel():
-                offset, self._carved = self._carved, self._carved + size
+            for index, (offset, free) in enumerate(self._free):
+                if free >= size:
+                    self._free[index:index + 1] = [(offset + size, free - size)] if free > size else []
+                    break
             else:
                 raise StagingExhausted(
-                    f"KV staging arena of {self._arena.numel() >> 20} MiB has no free {size >> 20} MiB buffer "
+                    f"KV staging arena of {self._arena.numel() >> 20} MiB has no free {-(-size >> 20)} MiB range "
                     "for this transfer (transfers in flight hold the rest; raise kv_transfer.staging_mib)")
             self._out[offset] = size
         return self._arena[offset:offset + nbytes].view(shape)
@@ -130,8 +131,16 @@ class RegisteredStaging:
         offset = staged.data_ptr() - self._base
         with self._lock:
             size = self._out.pop(offset, None)
-            if size is not None:
-                self._free.setdefault(size, []).append(offset)
+            if size is None:
+                return
+            index = bisect.bisect(self._free, (offset, size))
+            self._free.insert(index, (offset, size))
+            # Merge with the free neighbours: the next one first, then the previous one.
+            if index + 1 < len(self._free) and offset + size == self._free[index + 1][0]:
+                self._free[index:index + 2] = [(offset, size + self._free[index + 1][1])]
+            if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:
+                previous = self._free[index - 1]
+                self._free[index - 1:index + 1] = [(previous[0], previous[1] + self._free[index][1])]
 
     @contextlib.contextmanager
     def lease(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:

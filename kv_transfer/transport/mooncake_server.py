@@ -7,6 +7,7 @@ live, and the client then reads them with the engine, without this process copyi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -58,6 +59,8 @@ class MooncakeTransferServer(TcpTransferServer):
 
     def stop(self) -> None:
         super().stop()  # no DESCRIBE can run after this
+        with self._held_lock:
+            self._held.clear()
         if self._memory is not None:
             self._memory.clear()
         self._engine = self._memory = None
@@ -67,7 +70,11 @@ class MooncakeTransferServer(TcpTransferServer):
         if msg_type != MessageType.DESCRIBE_BLOCKS:
             return super()._dispatch(conn, msg_type, request_id, block_ids, deadline, grant)
         self._drop_expired(time.monotonic())
-        pages = self._leased_pages(request_id, block_ids, grant)
+        # As for READ_BLOCKS: a staged source copies the blocks here, so a lease that ends
+        # during the copy must keep them until it is done (its blocks could be reused).
+        sending = getattr(self.leases, "sending", None)
+        with sending(request_id) if sending is not None else contextlib.nullcontext():
+            pages = self._leased_pages(request_id, block_ids, grant)
         if isinstance(pages, str):
             reply = wire.encode_error(request_id, pages)
         else:
@@ -93,6 +100,7 @@ class MooncakeTransferServer(TcpTransferServer):
         def released(request_id: str) -> None:
             with self._held_lock:
                 self._held.pop(request_id, None)
+            self._drop_expired(time.monotonic())  # an idle server's leftovers, too
             on_release(request_id)
         return released
 

@@ -11,6 +11,7 @@ import time
 
 from kv_transfer import grants, wire
 from kv_transfer.errors import KVTransferError, WireError
+from kv_transfer.host_staging import StagingExhausted
 from kv_transfer.transport.base import TransferServer
 from kv_transfer.transport.sockio import (Deadline, byte_view, read_message_start, recv_exact,
                                           send_buffers, tune_socket)
@@ -272,7 +273,7 @@ class TcpTransferServer(TransferServer):
             return f"blocks {block_ids} are not all leased to request {request_id!r}"
         try:
             return [byte_view(p) for p in self.source.pages(block_ids)]
-        except (KeyError, ValueError, IndexError) as exc:
+        except (KeyError, ValueError, IndexError, StagingExhausted) as exc:
             return f"cannot serve blocks {block_ids} of {request_id!r}: {exc!r}"
         except Exception as exc:
             log.exception("source.pages(%r) failed", block_ids)

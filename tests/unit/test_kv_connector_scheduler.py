@@ -326,6 +326,24 @@ def test_pull_params_no_engine_of_this_application_signed_are_refused(side, para
     assert side.refused_params_total == 1
 
 
+def test_a_signed_lease_of_another_tp_size_is_refused_and_computed_here(side):
+    """Prefill with TP 2, this decode engine TP 1: no rank here holds what rank r there does, so
+    the prompt is computed locally (failure_policy never sees it), and forging the TP size to
+    match fails the grant instead."""
+    from dataclasses import replace
+
+    from kv_transfer.grants import GrantKey
+
+    unsigned = replace(remote_params(), grant="", remote_tp_size=2)
+    deadline_ms = int(unsigned.lease_deadline_unix_s * 1000)
+    tp2 = replace(unsigned, grant=GrantKey(SECRET).payload(unsigned.grant_scope(), deadline_ms).hex())
+    for params in (tp2.to_engine(), {**tp2.to_engine(), "remote_tp_size": 1}):
+        fresh = SchedulerSide(replace_settings(), BLOCK_SIZE)
+        request = FakeRequest("d-1", params, list(range(40)))
+        assert fresh.num_new_matched_tokens(request, 0) == (0, False)
+        assert fresh.refused_params_total == 1
+
+
 def test_an_engine_without_a_secret_pulls_nothing():
     side = SchedulerSide(replace_settings(grant_secret=""), BLOCK_SIZE)
     assert side.num_new_matched_tokens(decode_request(), 0) == (0, False)

@@ -111,17 +111,26 @@ def test_a_full_arena_fails_the_pull_instead_of_waiting(make_side):
     assert staging.in_use_bytes == 0
 
 
-def test_registered_staging_reuses_its_buffers_and_never_grows():
+def test_registered_staging_reuses_its_memory_and_never_grows():
     staging = RegisteredStaging(4 << 20, pinned=False)
     (address, nbytes), = staging.regions()
     first = staging.take((3, 100_000))
     assert address <= first.data_ptr() < address + nbytes
     staging.give_back(first)
-    again = staging.take((2, 150_000))  # the same 1 MiB size class: the same buffer
+    again = staging.take((2, 150_000))  # the same range, first fit
     assert again.data_ptr() == first.data_ptr()
-    held = [staging.take((1 << 20,)) for _ in range(3)]  # carves the remaining 3 MiB
+    staging.give_back(again)
+    whole = staging.take((4 << 20,))
     with pytest.raises(StagingExhausted, match="staging_mib"):
         staging.take((1,))
-    for buffer in (again, *held):
-        staging.give_back(buffer)
+    staging.give_back(whole)
     assert staging.in_use_bytes == 0 and staging.regions() == [(address, nbytes)]
+
+
+def test_registered_staging_merges_what_comes_back():
+    """Many small transfers, given back in any order, leave room for one that needs it all."""
+    staging = RegisteredStaging(1 << 20, pinned=False)
+    small = [staging.take((4096 * (1 + i % 3),)) for i in range(40)]
+    for buffer in small[1::2] + small[0::2]:
+        staging.give_back(buffer)
+    assert staging.take((1 << 20,)).data_ptr() == staging.regions()[0][0]

@@ -67,6 +67,8 @@ def test_the_guard_catches_a_host_view():
 def test_p_d_transfer_never_views_engine_memory(backend, layout):
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine wheel not installed")
+        if layout == "kv_split":
+            pytest.skip("a dense host cache is read in place by design (CPU engines only)")
     sides = []
     try:
         for engine_id, seed in (("prefill-0", 3), ("decode-0", None)):
@@ -76,8 +78,6 @@ def test_p_d_transfer_never_views_engine_memory(backend, layout):
                 grant_secret=SECRET, lends_kv=engine_id.startswith("prefill-"), staging_bytes=4 << 20))
             caches = engine_caches(layout, seed)
             pages = KVPages(caches, num_blocks=BLOCKS)
-            if backend == "mooncake" and layout == "kv_split":
-                pytest.skip("a dense host cache is read in place by design (CPU engines only)")
             worker.register(pages)
             pages.caches = list(caches.values())
             sides.append(Side(worker, pages, port, engine_id))

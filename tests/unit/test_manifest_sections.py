@@ -177,6 +177,18 @@ def test_prefill_and_decode_with_different_tensor_parallel_sizes_are_refused_nam
     assert_reported(error, issue)
 
 
+def test_an_expert_parallel_prefill_and_a_tensor_parallel_decode_are_refused():
+    def tp_decode(d):  # prefill keeps expert parallelism (TP 1 per rank)
+        decode = d["pools"][1]
+        decode.pop("expert_parallel")
+        decode["engine"]["tensor_parallel_size"] = 2
+        decode["placement"]["num_gpus"] = 2
+
+    issue = only_issue(broken(GPU_DISAGG, tp_decode))
+    assert (issue.field, issue.value) == ("pools[1].engine.tensor_parallel_size", 2)
+    assert "tensor_parallel_size 1" in issue.problem
+
+
 def test_prefill_and_decode_with_the_same_tensor_parallel_size_are_accepted():
     def both_tp(d):
         _no_ep_prefill(d, tp=4)
