@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from deployments.background import Background
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, SamplingSpec, ServerStats, TokenDelta
 from deployments.engine.aborted_ids import AbortedIds
 from deployments.engine.observed_fields import ObservedFields
@@ -79,6 +80,7 @@ class LLMServer:
         self._timeouts = RequestTimeouts.of(request_timeouts)
         self._in_flight: set[str] = set()
         self._aborted = AbortedIds()
+        self._background = Background(logger)
         self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineFailure]:
@@ -165,6 +167,7 @@ class LLMServer:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
             work.add_done_callback(self._release_abandoned)
+            self._background.spawn(work, f"abandoned prefill {request.request_id}")  # runs on, held
             raise
 
     def _release_abandoned(self, work: asyncio.Future) -> None:
@@ -173,7 +176,7 @@ class LLMServer:
         result = work.result()
         if isinstance(result, PrefillResult):
             self._stats.abandoned_prefills_total += 1
-            asyncio.ensure_future(self.release(result.transfer_params))
+            self._background.spawn(self.release(result.transfer_params), f"release of abandoned prefill {result.transfer_params.remote_request_id}")
 
     async def _prefill(self, request: EngineRequest) -> PrefillResult | EngineFailure:
         """Bounded by prefill_timeout_s from receipt. Past it the request is aborted in the

@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from deployments.background import Background
 from deployments.engine.llm_server import ABORT_GRACE_S, LLMServer, _node_ip
 from deployments.engine.observed_fields import ObservedFields
 from deployments.expert_parallel.expert_ranks import (group_stats, leading_hits, merge_expert_load,
@@ -110,6 +111,7 @@ class ExpertParallelGroup:
         self._size = int(expert_parallel["size"])
         self._failure_timeout_s = float(expert_parallel.get("rank_failure_timeout_s", 5.0))
         self._pool = pool_name
+        self._background = Background(logger)
         address = _node_ip()
         rpc_port = reserve_port(address)  # bound later by the ranks' vLLM processes
 
@@ -228,7 +230,7 @@ class ExpertParallelGroup:
 
     def _release_when_done(self, call: asyncio.Future) -> None:
         if not call.cancelled() and call.exception() is None and isinstance(call.result(), PrefillResult):
-            asyncio.ensure_future(self.release(call.result().transfer_params))
+            self._background.spawn(self.release(call.result().transfer_params), "release of an abandoned prefill")
 
     async def release(self, transfer_params: TransferParams) -> None:
         # Any rank's transfer client can release a lease on any prefill engine.
@@ -325,7 +327,7 @@ class ExpertParallelGroup:
             self._exporter.inc(m.GROUP_FAILURES, pool=self._pool)
             # The surviving ranks cannot serve without the dead one; stop their engines now
             # (their workers may wait in a collective forever and outlive a plain kill).
-            asyncio.ensure_future(self._stop_surviving_ranks())
+            self._background.spawn(self._stop_surviving_ranks(), "stopping the surviving ranks")
 
     async def _stop_surviving_ranks(self) -> None:
         for rank in self._ranks[1:]:

@@ -135,3 +135,35 @@ def test_a_call_still_unassigned_after_the_grace_is_cancelled_in_the_router(monk
 
     response, _ = _scenario(assign)
     assert response.assignment.cancelled()  # nothing was sent; nothing runs
+
+
+def test_background_work_is_held_until_it_ends_and_its_failure_is_logged(caplog):
+    import gc
+    import logging
+
+    from deployments.background import Background
+
+    async def scenario():
+        background = Background(logging.getLogger("test-background"))
+        gate = asyncio.get_running_loop().create_future()
+
+        async def waits():
+            await gate
+            return "done"
+
+        async def fails():
+            raise RuntimeError("peer gone")
+
+        held = background.spawn(waits(), "waiting work")
+        background.spawn(fails(), "failing work")
+        for _ in range(3):  # the failure, then its done callback
+            await asyncio.sleep(0)
+        gc.collect()
+        assert len(background) == 1 and not held.done()
+        gate.set_result(None)
+        assert await held == "done"
+        assert len(background) == 0
+
+    with caplog.at_level(logging.WARNING, logger="test-background"):
+        asyncio.run(scenario())
+    assert "failing work failed: RuntimeError: peer gone" in caplog.text
