@@ -77,11 +77,13 @@ class DisaggregatedEngineClient:
         try:
             if not await result_within(prefill_task, self._prefill_timeout_s):
                 prefill_task.add_done_callback(self._release_when_done)
+                self._spawn(prefill_task)  # held until it ends: nothing else refers to it now
                 yield wait_expired("prefill", self._prefill_timeout_s)
                 return
             prefill = prefill_task.result()
         except asyncio.CancelledError:
             prefill_task.add_done_callback(self._release_when_done)
+            self._spawn(prefill_task)  # held until it ends: nothing else refers to it now
             raise
         except Exception as exc:  # replica died or unreachable
             yield EngineFailure(f"prefill replica failed: {type(exc).__name__}: {str(exc)[:300]}", retriable=True)
@@ -137,8 +139,9 @@ class DisaggregatedEngineClient:
             self._spawn(self._release(result.transfer_params))
 
     def _spawn(self, work) -> None:
-        """Run `work` in the background, holding a reference until it ends (the event loop keeps
-        only weak ones, so an unreferenced release could be collected mid-flight)."""
+        """Run `work` (or keep a running task) in the background, holding a reference until it
+        ends (the event loop keeps only weak ones, so an unreferenced task could be collected
+        mid-flight, and with it the release its end would send)."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
