@@ -23,7 +23,32 @@ MAX_KEPT_BYTES = 512 << 20  # per engine worker; a transfer larger than this is 
 ARENA_ALIGN = 4096  # RegisteredStaging's ranges start on page boundaries
 
 
-class HostStaging:
+class _Staging:
+    """What both kinds of staging hand out: `take` / `give_back`, plus these two on top."""
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def give_back(self, staged: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def lease(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+        staged = self.take(shape)
+        try:
+            yield staged
+        finally:
+            self.give_back(staged)
+
+    def views_until_dropped(self, staged: torch.Tensor) -> memoryview:
+        """A byte view of `staged`; the buffer comes back once that view and every slice of it
+        are gone (a transport server drops the pages it sent)."""
+        array = staged.numpy()
+        weakref.finalize(array, self.give_back, staged)  # runs when the last view lets go of it
+        return memoryview(array).cast("B")
+
+
+class HostStaging(_Staging):
     def __init__(self, pinned: bool, max_kept_bytes: int = MAX_KEPT_BYTES):
         self._pinned = pinned
         self._max_kept = max_kept_bytes
@@ -55,20 +80,6 @@ class HostStaging:
             self._free.setdefault(size, []).append(buffer)
             self._kept_bytes += size
 
-    @contextlib.contextmanager
-    def lease(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
-        staged = self.take(shape)
-        try:
-            yield staged
-        finally:
-            self.give_back(staged)
-
-    def views_until_dropped(self, staged: torch.Tensor) -> memoryview:
-        """A byte view of `staged`; the buffer comes back once that view and every slice of it
-        are gone (a transport server drops the pages it sent)."""
-        array = staged.numpy()
-        weakref.finalize(array, self.give_back, staged)  # runs when the last view lets go of it
-        return memoryview(array).cast("B")
 
     @property
     def kept_bytes(self) -> int:
@@ -87,7 +98,7 @@ class StagingExhausted(RuntimeError):
     """A registered staging arena has no room for another transfer now."""
 
 
-class RegisteredStaging:
+class RegisteredStaging(_Staging):
     """HostStaging's interface over one arena allocated once, for a transport that registers
     memory with a NIC (Mooncake over RDMA): the arena is registered once (`regions()`), and a
     buffer carved from it is never freed, only handed out again, so no registered range ever
@@ -142,18 +153,6 @@ class RegisteredStaging:
                 previous = self._free[index - 1]
                 self._free[index - 1:index + 1] = [(previous[0], previous[1] + self._free[index][1])]
 
-    @contextlib.contextmanager
-    def lease(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
-        staged = self.take(shape)
-        try:
-            yield staged
-        finally:
-            self.give_back(staged)
-
-    def views_until_dropped(self, staged: torch.Tensor) -> memoryview:
-        array = staged.numpy()
-        weakref.finalize(array, self.give_back, staged)
-        return memoryview(array).cast("B")
 
     @property
     def in_use_bytes(self) -> int:
