@@ -7,10 +7,10 @@ live, and the client then reads them with the engine, without this process copyi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
+import weakref
 
 from kv_transfer import wire
 from kv_transfer.errors import KVTransferError
@@ -72,8 +72,7 @@ class MooncakeTransferServer(TcpTransferServer):
         self._drop_expired(time.monotonic())
         # As for READ_BLOCKS: a staged source copies the blocks here, so a lease that ends
         # during the copy must keep them until it is done (its blocks could be reused).
-        sending = getattr(self.leases, "sending", None)
-        with sending(request_id) if sending is not None else contextlib.nullcontext():
+        with self._pinned(request_id):
             pages = self._leased_pages(request_id, block_ids, grant)
         if isinstance(pages, str):
             reply = wire.encode_error(request_id, pages)
@@ -97,10 +96,17 @@ class MooncakeTransferServer(TcpTransferServer):
     def _released(self, on_release):
         """on_release, after which the released request's described pages are let go (called
         only for a release whose grant verified: nobody else can end another's read)."""
+        # A weak reference: a closure over self is a cycle that kept unstopped servers, and
+        # their Mooncake engines' listeners, alive until a garbage collection (measured: a later
+        # server's connects waited out a 1 s SYN retry).
+        server = weakref.ref(self)
+
         def released(request_id: str) -> None:
-            with self._held_lock:
-                self._held.pop(request_id, None)
-            self._drop_expired(time.monotonic())  # an idle server's leftovers, too
+            alive = server()
+            if alive is not None:
+                with alive._held_lock:
+                    alive._held.pop(request_id, None)
+                alive._drop_expired(time.monotonic())  # an idle server's leftovers, too
             on_release(request_id)
         return released
 

@@ -207,8 +207,7 @@ class TcpTransferServer(TransferServer):
         if msg_type == MessageType.READ_BLOCKS:
             # Pinned before the lease is checked: a lease ending after the check keeps its pages
             # until they are sent; one that ended before it is refused by the check.
-            sending = getattr(self.leases, "sending", None)
-            with sending(request_id) if sending is not None else contextlib.nullcontext():
+            with self._pinned(request_id):
                 pages = self._leased_pages(request_id, block_ids, grant)
                 if isinstance(pages, str):
                     return error(pages)
@@ -246,6 +245,12 @@ class TcpTransferServer(TransferServer):
         if self.grant_key is None:
             return "this engine lends no KV"
         return self.grant_key.check(request_id, lease_block_ids, grant, int(time.time() * 1000) if live else None)
+
+    def _pinned(self, request_id: str):
+        """While pages of `request_id` are read out of the source: its lease's blocks stay
+        (the lease lookup's `sending`, where it has one)."""
+        sending = getattr(self.leases, "sending", None)
+        return sending(request_id) if sending is not None else contextlib.nullcontext()
 
     def _leased_pages(self, request_id: str, block_ids: list[int], grant: bytes = b""
                       ) -> list[memoryview] | str:
