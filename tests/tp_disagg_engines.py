@@ -6,7 +6,7 @@ Starts a prefill and a decode engine server (deployments.engine.llm_server.LLMSe
 runs them), each with `--tp` workers serving their shard of the KV on their own port. For each
 prompt of the prompt set it prefills on one engine, decodes on the other from the pulled KV,
 and writes {"outputs": {name: token_ids}, "decode_kv": ..., "prefill_kv": ..., "rank_ports": ...}
-for tests/integration/test_kv_tensor_parallel.py (CPU) and scripts/gpu_selfcheck.sh (CUDA).
+for tests/integration/test_kv_tensor_parallel_stack.py (CPU) and scripts/gpu_selfcheck.sh (CUDA).
 """
 
 from __future__ import annotations
