@@ -83,7 +83,9 @@ _COMMON = dict(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=4096,
+    # Long enough for long-context work (manifests/local-long-context.yaml serves 32k-token
+    # prompts); RoPE's cos/sin table is the only thing that grows with it.
+    max_position_embeddings=65536,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )

@@ -23,9 +23,15 @@ class KVTransferSpec(_Strict):
     and decode nodes: mooncake-transfer-engine-cuda13 on GPU, -non-cuda on CPU)."""
     lease_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     """Prefill holds a finished prompt's blocks at most this long for decode to pull them.
-    Decode starts a pull only if it can finish (transfer_timeout_s) before the deadline."""
+    Decode starts a pull only if it can finish (transfer_timeout_s) before the deadline. Both
+    grow with the prompt's KV bytes (min_transfer_mib_s)."""
     transfer_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
-    """A pull slower than this counts as failed; failure_policy then decides."""
+    """A pull slower than this, plus its bytes at min_transfer_mib_s, counts as failed;
+    failure_policy then decides."""
+    min_transfer_mib_s: Annotated[float, Field(ge=1, le=1_000_000)] = 64.0
+    """The slowest rate a KV transfer may run at. A pull's bound (transfer_timeout_s) and the
+    prefill's lease (lease_s) each grow by the KV's bytes at this rate, so one setting fits short
+    prompts and 32k-token ones (the tiny DeepSeek's float32 latents: ~290 MiB, +4.5 s at 64)."""
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prompt on decode (same output, slower), or fail the request."""
     allow_fault_injection: bool = False

@@ -24,9 +24,15 @@ from cluster.errors import ManifestIssue
 # Per accelerator: prefill, first token, next token (seconds). CPU: a tiny model on two shared
 # cores under the test suite's bursts (TTFT p99 up to ~1 minute, ITL p99 ~2 s, BENCHMARKS.md);
 # GPU: DeepSeek-V3-class prefills of long prompts take tens of seconds, steps well under one.
+# The last one grows the prefill and first-token bounds per thousand prompt tokens: measured on
+# this kind of machine, the tiny Qwen3-MoE prefills 32k tokens in 20-55 s (idle / beside the
+# test suite), about 1.7 s per thousand; 4 s leaves a slow machine room. A GPU prefills a
+# DeepSeek-V3-class model at thousands of tokens per second per node.
 DEFAULTS: dict[str, dict[str, float]] = {
-    "cpu": {"prefill_timeout_s": 120.0, "first_token_timeout_s": 180.0, "inter_token_timeout_s": 60.0},
-    "gpu": {"prefill_timeout_s": 60.0, "first_token_timeout_s": 90.0, "inter_token_timeout_s": 30.0},
+    "cpu": {"prefill_timeout_s": 120.0, "first_token_timeout_s": 180.0, "inter_token_timeout_s": 60.0,
+            "prefill_s_per_1k_tokens": 4.0},
+    "gpu": {"prefill_timeout_s": 60.0, "first_token_timeout_s": 90.0, "inter_token_timeout_s": 30.0,
+            "prefill_s_per_1k_tokens": 0.5},
 }
 # What a replica of a pool at zero may take to start (weights loaded, engine up), per accelerator.
 WAKE_UP_S: dict[str, float] = {"cpu": 600.0, "gpu": 1800.0}
@@ -49,6 +55,10 @@ class RequestTimeoutsSpec(_Strict):
     """Longest gap between two tokens of a stream. Default 60 on cpu, 30 on gpu."""
     total_timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     """From dispatch to the last token; unset: no cap (long generations are legitimate)."""
+    prefill_s_per_1k_tokens: Annotated[float, Field(ge=0, le=3600)] | None = None
+    """Added to prefill_timeout_s and first_token_timeout_s for each thousand prompt tokens of a
+    request, so that one bound fits short and long prompts (a 32k-token prompt's prefill and KV
+    transfer take tens of times a short one's). Default 4 on cpu, 0.5 on gpu; 0: fixed bounds."""
 
 
 def effective_timeouts(manifest: Any) -> dict[str, float | None]:

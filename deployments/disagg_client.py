@@ -33,7 +33,7 @@ from typing import Any
 from deployments.engine_client import HandleEngineClient
 from deployments.records import EngineFailure, EngineRequest, PrefillResult, TokenDelta
 from deployments.routing.pairing import DisaggregationRule, local_prefill_reason
-from deployments.stream_deadlines import result_within, wait_expired
+from deployments.stream_deadlines import RequestTimeouts, result_within, wait_expired
 from kv_transfer.params import TransferParams
 
 logger = logging.getLogger(__name__)
@@ -41,18 +41,20 @@ logger = logging.getLogger(__name__)
 
 class DisaggregatedEngineClient:
     def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False,
-                 local_prefill_below_tokens: int = 0, on_decision: Any = None, prefill_timeout_s: float = 120.0,
+                 local_prefill_below_tokens: int = 0, on_decision: Any = None,
+                 timeouts: RequestTimeouts | None = None,
                  local_hit_fraction: float | None = None, decode_router: Any = None):
         """`on_decision(reason)`: told for each request whether its prefill ran remotely ("remote")
-        or on decode ("local_short_prompt", "decode_holds_prefix"); `prefill_timeout_s`: the bound
-        on the prefill's result; `decode_router()`: the decode pool's router in this process (with
+        or on decode ("local_short_prompt", "decode_holds_prefix"); `timeouts`: the request's
+        bounds (the prefill's result is awaited for `prefill_timeout_s` grown by the prompt's
+        length); `decode_router()`: the decode pool's router in this process (with
         `decide(prompt_token_ids, session_id)` and `block_size`), or None while it has none."""
         self._prefill = prefill_handle
         self._decode = HandleEngineClient(decode_handle)
         self._allow_fault_injection = allow_fault_injection
         self._local_below = local_prefill_below_tokens
         self._on_decision = on_decision or (lambda reason: None)
-        self._prefill_timeout_s = prefill_timeout_s
+        self._timeouts = timeouts or RequestTimeouts.of(None)
         self._rule = None if local_hit_fraction is None else \
             DisaggregationRule(min_uncached_tokens=0, local_hit_fraction=local_hit_fraction)
         self._decode_router = decode_router or (lambda: None)
@@ -75,10 +77,11 @@ class DisaggregatedEngineClient:
         self._on_decision("remote")
         prefill_task = asyncio.ensure_future(self._prefill.prefill.remote(request))
         try:
-            if not await result_within(prefill_task, self._prefill_timeout_s):
+            prefill_timeout_s = self._timeouts.for_prompt(len(request.prompt_token_ids)).prefill_timeout_s
+            if not await result_within(prefill_task, prefill_timeout_s):
                 prefill_task.add_done_callback(self._release_when_done)
                 self._spawn(prefill_task)  # held until it ends: nothing else refers to it now
-                yield wait_expired("prefill", self._prefill_timeout_s)
+                yield wait_expired("prefill", prefill_timeout_s)
                 return
             prefill = prefill_task.result()
         except asyncio.CancelledError:

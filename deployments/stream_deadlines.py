@@ -1,7 +1,8 @@
 """Bounded waits of the request path: the prefill, the first token, each next token, the total.
 
 Rule for a token stream: it must deliver its first token within first_token_timeout_s of its
-start; after that every item within inter_token_timeout_s of the previous one; and, when
+start (grown by prefill_s_per_1k_tokens for each thousand prompt tokens: a 32k-token prompt
+takes tens of times a short one's prefill, and its KV as many times the bytes to move); after that every item within inter_token_timeout_s of the previous one; and, when
 total_timeout_s is set, everything within that of the start. The earliest bound that applies
 is the one that fires. `StreamDeadlines` is that rule as pure logic (times in, decisions out);
 `bounded` applies it to a stream: on expiry it cancels the pending read (for a Serve handle's
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from deployments.records import WaitExpired
@@ -36,6 +37,8 @@ class RequestTimeouts:
     first_token_timeout_s: float
     inter_token_timeout_s: float
     total_timeout_s: float | None = None
+    # Added to the prefill and first-token bounds per thousand prompt tokens (`for_prompt`).
+    prefill_s_per_1k_tokens: float = 0.0
 
     @classmethod
     def of(cls, values: dict | None) -> "RequestTimeouts":
@@ -45,6 +48,15 @@ class RequestTimeouts:
 
             values = DEFAULTS["cpu"]
         return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+    def for_prompt(self, num_tokens: int) -> "RequestTimeouts":
+        """These bounds for one request of `num_tokens` prompt tokens: the waits that include
+        its prefill (and KV transfer) grow with its length; the gap between tokens does not."""
+        extra_s = self.prefill_s_per_1k_tokens * max(num_tokens, 0) / 1000.0
+        if extra_s == 0.0:
+            return self
+        return replace(self, prefill_timeout_s=self.prefill_timeout_s + extra_s,
+                       first_token_timeout_s=self.first_token_timeout_s + extra_s)
 
     def limit_s(self, wait: str) -> float:
         return getattr(self, WAITS[wait][1])

@@ -67,6 +67,14 @@ def tensor_parallel_rank(vllm_config: "VllmConfig") -> int:
     return get_tensor_model_parallel_rank()
 
 
+def kv_block_bytes(kv_cache_config: "KVCacheConfig | None") -> int:
+    """Bytes of one block of every layer of this engine's KV cache (this worker's shard)."""
+    if kv_cache_config is None:
+        return 0
+    return sum(len(group.layer_names) * group.kv_cache_spec.page_size_bytes
+               for group in kv_cache_config.kv_cache_groups)
+
+
 class MoeServeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -87,7 +95,8 @@ class MoeServeConnector(KVConnectorBase_V1):
                 pool.warm_up(engine_wiring.WARM_UP_S)
             self._releaser = BackgroundReleaser(self._settings.transfer_timeout_s)
             self._scheduler = SchedulerSide(self._settings, vllm_config.cache_config.block_size,
-                                            release_now=self._releaser.submit, pool=pool)
+                                            release_now=self._releaser.submit, pool=pool,
+                                            block_bytes=kv_block_bytes(kv_cache_config))
         else:
             from kv_transfer.connector_worker import WorkerSide
 

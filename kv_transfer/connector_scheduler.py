@@ -65,11 +65,14 @@ class SchedulerSide:
     """`release_now`: frees a prefill's lease without waiting for an engine step (see finished)."""
 
     def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
-                 release_now: Callable[[TransferParams], None] | None = None, pool: Any = None):
-        """`pool`: a PoolScheduler when the engine uses a KV pool."""
+                 release_now: Callable[[TransferParams], None] | None = None, pool: Any = None,
+                 block_bytes: int = 0):
+        """`pool`: a PoolScheduler when the engine uses a KV pool; `block_bytes`: one block of
+        every layer of this engine's cache (a lease lasts longer for more bytes)."""
         self._settings = settings
         self._grant_key = settings.grant_key()  # signs the leases it grants, checks those it pulls (None: neither)
         self._block_size = block_size_tokens
+        self._block_bytes = block_bytes
         self._plan = StepPlan()
         self._release_now = release_now
         self._pool = pool
@@ -159,8 +162,9 @@ class SchedulerSide:
         if not self._lends(request) or not normally or not block_ids:
             return False, None
         # The lease length is the engine's own setting, never the request's: a request must
-        # not pin blocks for as long as it likes.
-        lease_s = self._settings.lease_s
+        # not pin blocks for as long as it likes. It grows with the blocks' bytes, which decode
+        # must have time to pull before it ends.
+        lease_s = self._settings.lease_for_s(len(block_ids) * self._block_bytes)
         self._plan.grants.append(LeaseGrant(request.request_id, tuple(block_ids), lease_s))
         deadline_s = time.time() + lease_s
         transfer = TransferParams(

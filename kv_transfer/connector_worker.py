@@ -151,11 +151,13 @@ class WorkerSide:
             on_failure=lambda exc: self._counters.release_failed(skipped=isinstance(exc, PeerDown)))
         self._server = None
         self._pages = None
+        self._block_bytes = 0  # one block of every layer of this worker's cache (set by register)
 
     # -- set-up ---------------------------------------------------------------------------------
 
     def register(self, pages) -> None:
         """`pages`: kv_pages.KVPages over the engine's caches (or a test's equivalent)."""
+        self._block_bytes = pages.num_layers * pages.page_bytes
         if self._pool is not None:
             self._pool.attach(pages)  # the pool always copies through host staging
         # P/D pages: host-staged copies (any device). A backend that registers memory with its
@@ -173,6 +175,7 @@ class WorkerSide:
                                             # Only an engine that lends KV answers reads and releases.
                                             grant_key=self._settings.engine_grants() if self._settings.lends_kv else None,
                                             max_connections=self._settings.max_connections,
+                                            min_bytes_per_s=self._settings.min_transfer_bytes_per_s,
                                             **self._backend.server_options(self._settings.transfer_timeout_s,
                                                                            self._settings.protocol,
                                                                            self._settings.device_name))
@@ -339,7 +342,8 @@ class WorkerSide:
                 raise TensorParallelMismatch(f"prefill engine has {params.remote_tp_size} tensor-parallel ranks, "
                                              f"this engine {self._settings.tp_size}")
             port = params.rank_port(self._tp_rank)
-            if params.ends_within(self._settings.transfer_timeout_s, time.monotonic(), time.time()):
+            budget_s = self._settings.transfer_budget_s(len(job.local_block_ids) * self._block_bytes)
+            if params.ends_within(budget_s, time.monotonic(), time.time()):
                 # A pull that could still be running at the deadline would be refused (the prefill
                 # checks its own clock) or fail mid-way: never start one. Decided on this node's
                 # monotonic clock from the lease time the prefill sent (kv_transfer/params.py).
@@ -348,7 +352,7 @@ class WorkerSide:
             with self._pages.receiving(list(job.local_block_ids)) as dest, \
                     guarded(self._peers, params.remote_host, port):  # PeerDown at once while it is down
                 result = self._client.fetch(params.remote_host, port, params.remote_request_id,
-                                            list(job.remote_block_ids), dest, self._settings.transfer_timeout_s,
+                                            list(job.remote_block_ids), dest, budget_s,
                                             params.grant_bytes())
             self._counters.pull_succeeded(len(job.local_block_ids), result.bytes, time.monotonic() - started)
             failed = False

@@ -17,6 +17,11 @@ class ConnectorSettings:
     engine_id: str = ""
     lease_s: float = 10.0  # prefill keeps blocks at most this long for a decode that never pulls
     transfer_timeout_s: float = 5.0  # a pull slower than this fails (then the failure policy applies)
+    # The slowest rate a KV transfer may run at. A pull's bound, the prefill's lease and the
+    # server's send each grow by their bytes at this rate (`transfer_budget_s`, `lease_for_s`),
+    # so one setting fits a 16-token prompt and a 32k-token one (~290 MiB of the tiny
+    # DeepSeek's float32 latents, ~5 GB of DeepSeek-V3's fp8 ones at 128k).
+    min_transfer_bytes_per_s: float = 64 << 20
     failure_policy: str = "recompute"  # recompute | fail (mirrors vLLM's kv_load_failure_policy)
     max_concurrent_pulls: int = 4
     pool: dict[str, Any] | None = None  # kv_transfer.pool.store.PoolSettings as a dict; None: no pool
@@ -40,6 +45,17 @@ class ConnectorSettings:
 
     def to_extra_config(self) -> dict[str, Any]:
         return asdict(self)
+
+    def transfer_budget_s(self, nbytes: int) -> float:
+        """How long moving `nbytes` of KV may take: transfer_timeout_s (connecting, the first
+        byte, a busy peer) plus the bytes at the slowest rate accepted."""
+        return self.transfer_timeout_s + max(nbytes, 0) / self.min_transfer_bytes_per_s
+
+    def lease_for_s(self, nbytes: int) -> float:
+        """How long prefill holds `nbytes` of blocks for decode: lease_s (decode's queue and the
+        pull's fixed part) plus the bytes' time on the wire, so that decode may start a long
+        prompt's pull as late as a short one's (a pull starts only if its budget fits)."""
+        return self.lease_s + max(nbytes, 0) / self.min_transfer_bytes_per_s
 
     def rank_port(self, tp_rank: int) -> int:
         """The port tensor-parallel worker `tp_rank` serves its shard of the engine's blocks on."""

@@ -191,7 +191,7 @@ class LLMServer:
                                         cache_salt=request.cache_salt)
         final = None
         cached_tokens = 0
-        limit_s = self._timeouts.prefill_timeout_s
+        limit_s = self._timeouts.for_prompt(len(request.prompt_token_ids)).prefill_timeout_s
         deadline_s, aborted = started + limit_s, False
         stream = self.generate(prefill_request)
         step: asyncio.Future | None = None
@@ -379,7 +379,8 @@ def connector_settings(kv_transfer: dict, engine_id: str, tp_size: int = 1) -> d
                 "lends_kv": bool(kv_transfer.get("lends_kv", False)),
                 "max_connections": int(kv_transfer.get("max_connections", 256)),
                 "protocol": kv_transfer.get("protocol", "tcp"), "device_name": kv_transfer.get("device_name", ""),
-                "staging_bytes": int(kv_transfer.get("staging_mib", 256)) << 20}
+                "staging_bytes": int(kv_transfer.get("staging_mib", 256)) << 20,
+                "min_transfer_bytes_per_s": float(kv_transfer.get("min_transfer_mib_s", 64)) * (1 << 20)}
     if kv_transfer.get("pool"):
         settings["pool"] = {**kv_transfer["pool"], "local_hostname": host}
     return settings

@@ -160,7 +160,7 @@ class ExpertParallelGroup:
         stream = self._ranks[rank].generate(request).__aiter__()
         broken = asyncio.ensure_future(self._broken_event.wait())
         step: asyncio.Future | None = None
-        deadlines = StreamDeadlines(self._timeouts, time.monotonic())
+        deadlines = StreamDeadlines(self._timeouts.for_prompt(len(request.prompt_token_ids)), time.monotonic())
         try:
             while True:
                 step = asyncio.ensure_future(stream.__anext__())
@@ -206,12 +206,13 @@ class ExpertParallelGroup:
         call = asyncio.ensure_future(self._ranks[rank].prefill(request))
         call.add_done_callback(lambda _: self._finished_on(rank))
         # The rank bounds the prefill itself (and aborts it); this bound is for a rank that hangs.
-        limit_s = self._timeouts.prefill_timeout_s + 2 * ABORT_GRACE_S + self._failure_timeout_s
+        prefill_timeout_s = self._timeouts.for_prompt(len(request.prompt_token_ids)).prefill_timeout_s
+        limit_s = prefill_timeout_s + 2 * ABORT_GRACE_S + self._failure_timeout_s
         try:
             if not await result_within(call, limit_s):
                 call.add_done_callback(self._release_when_done)  # a lease it ends up with is freed
                 self._stall.expired("prefill", time.monotonic())
-                return wait_expired("prefill", self._timeouts.prefill_timeout_s)
+                return wait_expired("prefill", prefill_timeout_s)
             result = call.result()
             if isinstance(result, WaitExpired):
                 self._stall.expired(result.wait, time.monotonic())

@@ -72,7 +72,7 @@ class OpenAIIngress:
             self._engine = DisaggregatedEngineClient(
                 prefill, engine, allow_fault_injection=allow_fault_injection,
                 local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision,
-                prefill_timeout_s=self._timeouts.prefill_timeout_s, local_hit_fraction=local_prefill_hit_fraction,
+                timeouts=self._timeouts, local_hit_fraction=local_prefill_hit_fraction,
                 decode_router=functools.partial(router_for, decode_pool))
         else:
             self._engine = as_engine_client(engine)
@@ -273,7 +273,8 @@ class OpenAIIngress:
             engine_request = EngineRequest(request_id, child.token_ids, child.sampling, session_id=session_id,
                                            cache_salt=child.cache_salt)
             # Every wait on the engine is bounded: past one, the stream is aborted and ends in WaitExpired.
-            streams.append(bounded(self._engine.stream(engine_request, trace=trace, **options), self._timeouts))
+            streams.append(bounded(self._engine.stream(engine_request, trace=trace, **options),
+                                   self._timeouts.for_prompt(len(child.token_ids))))
         return streams
 
     def _count_prefill_decision(self, reason: str) -> None:

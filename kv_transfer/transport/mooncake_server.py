@@ -29,11 +29,12 @@ class MooncakeTransferServer(TcpTransferServer):
 
     def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None,
                  max_connections: int = 256, hold_s: float = 30.0, protocol: str = "tcp",
-                 device_name: str = ""):
+                 device_name: str = "", min_bytes_per_s: float = 64 << 20):
         """`hold_s`: how long described pages are kept for the client's read when no release
-        comes (at least the client's transfer timeout: a read still running after it has failed)."""
+        comes (at least the client's transfer timeout: a read still running after it has failed),
+        grown by their bytes at `min_bytes_per_s` as the client's bound is."""
         super().__init__(host, port, source, self._released(on_release), on_stats, leases=leases,
-                         grant_key=grant_key, max_connections=max_connections)
+                         grant_key=grant_key, max_connections=max_connections, min_bytes_per_s=min_bytes_per_s)
         # Pages described to a client, kept until its release (or hold_s): a staged snapshot's
         # buffer goes back to the staging arena when its last view is dropped, and the client
         # reads it after DESCRIBE has returned. In-place pages are views of the cache itself.
@@ -86,7 +87,8 @@ class MooncakeTransferServer(TcpTransferServer):
                     pages_in_regions=all(region is not None for _, region in placed))
                 reply = wire.encode_ok(request_id, wire.encode_page_table(table))
                 with self._held_lock:
-                    self._held.setdefault(request_id, []).append((time.monotonic() + self._hold_s, pages))
+                    hold_s = self._hold_s + sum(p.nbytes for p in pages) / self.min_bytes_per_s
+                    self._held.setdefault(request_id, []).append((time.monotonic() + hold_s, pages))
             except (KVTransferError, ValueError, TypeError) as exc:  # registration or encoding
                 log.exception("describing blocks %r of %r failed", block_ids, request_id)
                 reply = wire.encode_error(request_id, f"cannot describe blocks of {request_id!r}: {exc}")

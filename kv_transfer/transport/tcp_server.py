@@ -34,9 +34,12 @@ class TcpTransferServer(TransferServer):
     accept_retry_s = 0.5  # after an accept() error such as running out of descriptors
 
     def __init__(self, host, port, source, on_release, on_stats, *, leases=None, grant_key=None,
-                 max_connections: int = 256):
+                 max_connections: int = 256, min_bytes_per_s: float = 64 << 20):
+        """`min_bytes_per_s`: the slowest send of blocks allowed; a reply of N bytes gets
+        io_timeout_s + N / min_bytes_per_s (a 32k-token prompt's KV is hundreds of MiB)."""
         super().__init__(host, port, source, on_release, on_stats, leases=leases, grant_key=grant_key)
         self.max_connections = max_connections
+        self.min_bytes_per_s = min_bytes_per_s
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -211,8 +214,9 @@ class TcpTransferServer(TransferServer):
                 pages = self._leased_pages(request_id, block_ids, grant)
                 if isinstance(pages, str):
                     return error(pages)
-                prefix = wire.encode_data_prefix(request_id, sum(p.nbytes for p in pages))
-                send_buffers(conn, [prefix, *pages], deadline)
+                nbytes = sum(p.nbytes for p in pages)
+                prefix = wire.encode_data_prefix(request_id, nbytes)
+                send_buffers(conn, [prefix, *pages], Deadline(self.io_timeout_s + nbytes / self.min_bytes_per_s))
             return True
         if msg_type == MessageType.RELEASE:
             # The release names the lease's whole block list, which its grant covers; a late

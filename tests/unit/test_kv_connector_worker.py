@@ -101,9 +101,9 @@ def make_side():
     def make(engine_id: str, *, seed: int | None = None, **settings) -> Side:
         """Engines of one P/D application: all hold its grant secret, "prefill-*" ones lend KV."""
         port = free_port()
-        settings = {"grant_secret": SECRET, "lends_kv": engine_id.startswith("prefill-"), **settings}
-        worker = connector_worker.WorkerSide(ConnectorSettings(
-            host=HOST, port=port, engine_id=engine_id, transfer_timeout_s=2.0, **settings))
+        settings = {"grant_secret": SECRET, "lends_kv": engine_id.startswith("prefill-"), "transfer_timeout_s": 2.0,
+                    **settings}
+        worker = connector_worker.WorkerSide(ConnectorSettings(host=HOST, port=port, engine_id=engine_id, **settings))
         side = Side(worker, BytePages(seed), port, engine_id)
         sides.append(side)
         worker.register(side.pages)

@@ -38,7 +38,20 @@ def test_defaults_follow_the_accelerator():
     assert gpu == {**DEFAULTS["gpu"], "total_timeout_s": None}
     assert gpu["first_token_timeout_s"] < cpu["first_token_timeout_s"]
     # What the deployments build from it.
-    assert RequestTimeouts.of(cpu) == RequestTimeouts(120.0, 180.0, 60.0, None)
+    assert RequestTimeouts.of(cpu) == RequestTimeouts(120.0, 180.0, 60.0, None, prefill_s_per_1k_tokens=4.0)
+
+
+def test_the_waits_that_include_a_prefill_grow_with_the_prompt():
+    limits = RequestTimeouts.of(effective_timeouts(parse_manifest(data("local.yaml", prefill_s_per_1k_tokens=2))))
+    long = limits.for_prompt(32_000)
+    assert (long.prefill_timeout_s, long.first_token_timeout_s) == (120.0 + 64, 180.0 + 64)
+    # The gap between two tokens is one decode step whatever the prompt; a short prompt keeps
+    # about the fixed bounds, and an empty one exactly.
+    assert long.inter_token_timeout_s == 60.0 and long.total_timeout_s is None
+    assert limits.for_prompt(0) == limits
+    assert limits.for_prompt(500).prefill_timeout_s == 121.0
+    fixed = RequestTimeouts.of(effective_timeouts(parse_manifest(data("local.yaml", prefill_s_per_1k_tokens=0))))
+    assert fixed.for_prompt(32_000) == fixed
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "deepseek-v3-h200.yaml", "deepseek-v3-h200-disagg-ep.yaml"])

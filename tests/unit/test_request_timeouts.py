@@ -137,11 +137,11 @@ class FakeServeHandle:
         return _Method()
 
 
-def make_server(engine: ScriptedVLLMEngine, kv: bool = False) -> LLMServer:
+def make_server(engine: ScriptedVLLMEngine, kv: bool = False, timeouts: dict = TIMEOUTS) -> LLMServer:
     kv_transfer = {"backend": "tcp", "host": "127.0.0.1", "lease_s": 30, "transfer_timeout_s": 0.1,
                    "failure_policy": "recompute"} if kv else None
     server = LLMServer({"name": "m", "max_model_len": 2048}, {"stream_interval_ms": 0}, "/ckpt", kv_transfer,
-                       engine_factory=lambda *a, **k: engine, metrics=False, request_timeouts=TIMEOUTS)
+                       engine_factory=lambda *a, **k: engine, metrics=False, request_timeouts=timeouts)
     if kv:
         server._kv_client = RecordingKVClient()
     return server
@@ -384,6 +384,23 @@ def test_the_prefill_server_bounds_its_own_prefill_and_aborts_it():
     assert "request_timeouts.prefill_timeout_s" in result.message
     assert elapsed_s < TIMEOUTS["prefill_timeout_s"] + SLACK_S
     assert engine.aborted == ["r-1"]
+
+
+def test_a_long_prompts_prefill_gets_its_bound_grown_by_its_length():
+    """0.4 s plus 0.5 s per thousand prompt tokens: a 2,000-token prompt is aborted at 1.4 s, not
+    at the short prompts' 0.4 s, and the 504 names the bound that applied."""
+    engine = ScriptedVLLMEngine([HANG])
+    server = make_server(engine, kv=True, timeouts={**TIMEOUTS, "prefill_s_per_1k_tokens": 0.5})
+
+    async def scenario():
+        started = time.monotonic()
+        result = await server.prefill(EngineRequest("r-long", list(range(2000)), SamplingSpec(max_tokens=4)))
+        return result, time.monotonic() - started
+
+    result, elapsed_s = run(scenario())
+    assert isinstance(result, WaitExpired) and result.limit_s == pytest.approx(1.4)
+    assert 1.4 <= elapsed_s < 1.4 + SLACK_S
+    assert engine.aborted == ["r-long"]
 
 
 def test_a_prefill_within_its_bound_hands_over_the_lease_time_left():
