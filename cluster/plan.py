@@ -136,14 +136,45 @@ def make_plan(manifest: Manifest, facts: ModelFacts | None = None) -> Plan:
             warnings.append(
                 f"node {node.name} reserves {reserved[node.name]:g} CPUs but advertises {node.num_cpus}: "
                 "some replicas will stay pending; raise num_cpus or spread the pool")
+    errors.extend(_staging_issues(manifest, facts))
     url = f"http://{manifest.http.host}:{manifest.http.port}{manifest.http.route_prefix.rstrip('/')}"
     kv = None
     if manifest.disaggregated:
         t = manifest.kv_transfer
         kv = (f"decode pulls prompt KV from prefill over {t.backend}; lease {t.lease_s:g}s, "
-              f"timeout {t.transfer_timeout_s:g}s, on failure: {t.failure_policy}")
+              f"timeout {t.transfer_timeout_s:g}s, both + the KV's bytes at {t.min_transfer_mib_s:g} MiB/s"
+              f"{_longest_prompt_transfer(manifest, facts)}, on failure: {t.failure_policy}")
     return Plan(manifest.name, manifest.model.name, url, ingress_node, pools, reserved, warnings, facts, kv,
                 _autoscaling_line(manifest, warnings), errors, _kv_pool_line(manifest, facts))
+
+
+def _staging_issues(manifest: Manifest, facts: ModelFacts | None) -> list[str]:
+    """Mooncake moves a GPU cache's blocks through one registered staging arena per worker, and a
+    pull is staged whole: a prompt whose KV outgrows the arena can never be pulled (decode then
+    recomputes it, every time)."""
+    t = manifest.kv_transfer
+    if not manifest.disaggregated or t.backend != "mooncake" or manifest.accelerator.value != "gpu" \
+            or facts is None or facts.kv_bytes_per_token <= 0:
+        return []
+    prefill = next(pool for pool in manifest.pools if pool.role.value == "prefill")
+    per_token = facts.kv_bytes_per_token_on_rank(prefill.engine.tensor_parallel_size, _kv_cache_dtype(prefill))
+    need_mib = -(-manifest.model.max_model_len * per_token // (1 << 20))
+    if need_mib <= t.staging_mib:
+        return []
+    return [f"kv_transfer.staging_mib={t.staging_mib}: a {manifest.model.max_model_len:,}-token prompt's KV is "
+            f"{need_mib:,} MiB per rank, more than one staging arena holds, so decode could never pull it (it would "
+            f"recompute every such prompt); raise staging_mib to at least {need_mib}, or lower model.max_model_len"]
+
+
+def _longest_prompt_transfer(manifest: Manifest, facts: ModelFacts | None) -> str:
+    """What a max_model_len prompt's pull adds to both bounds (empty when the size is unknown)."""
+    if facts is None or facts.kv_bytes_per_token <= 0:
+        return ""
+    prefill = next(pool for pool in manifest.pools if pool.role.value == "prefill")
+    tp = prefill.engine.tensor_parallel_size
+    nbytes = manifest.model.max_model_len * facts.kv_bytes_per_token_on_rank(tp, _kv_cache_dtype(prefill))
+    return (f" (a {manifest.model.max_model_len:,}-token prompt: {nbytes / (1 << 20):,.0f} MiB per rank, "
+            f"+{nbytes / (manifest.kv_transfer.min_transfer_mib_s * (1 << 20)):.1f}s)")
 
 
 def kv_pool_capacity_tokens(manifest: Manifest, facts: ModelFacts | None) -> int:

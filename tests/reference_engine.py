@@ -2,7 +2,8 @@
 
 Run as a script (vLLM spawns engine processes, so it needs the __main__ guard):
     python tests/reference_engine.py MODEL_PATH OUT.json [--max-model-len N] [--dtype D]
-Writes {name: {"token_ids": [...], "text": "..."}} for every prompt and conversation.
+Writes {name: {"token_ids": [...], "text": "..."}} for every prompt and conversation, or, with
+--token-prompts FILE ({name: [token ids]}), for those prompts only, one at a time (long ones).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="",
                         help="comma-separated names of the completion prompts to run (default: all, with the "
                              "concurrency set); the chat conversations always run")
+    parser.add_argument("--token-prompts", default="",
+                        help="a JSON file of {name: [token ids]}: run only these, one at a time (long prompts)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -39,10 +43,22 @@ def main() -> None:
 
     # The attention backend our engines ask for on this machine (AMX machines differ for MLA).
     backend = cpu_attention_backend(_hf_config(args.model_path), args.dtype)
+    options = {"attention_backend": backend} if backend else {}
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model_path, enforce_eager=True, max_model_len=args.max_model_len, dtype=args.dtype,
-              gpu_memory_utilization=0.15, **({"attention_backend": backend} if backend else {}))
+              gpu_memory_utilization=0.15, **options)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     results: dict[str, dict] = {}
+    if args.token_prompts:
+        from vllm.inputs import TokensPrompt
+
+        for name, token_ids in json.loads(Path(args.token_prompts).read_text()).items():
+            output = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], greedy, use_tqdm=False)[0]
+            results[name] = {"token_ids": list(output.outputs[0].token_ids), "text": output.outputs[0].text}
+            print(f"[reference] {name}: {len(token_ids)} prompt tokens done", file=sys.stderr, flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        return
 
     prompts = {**COMPLETION_PROMPTS, **concurrent_prompts()}
     if args.prompts:  # a caller that needs a few answers does not wait for 39 (one at a time: minutes)

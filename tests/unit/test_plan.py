@@ -9,9 +9,11 @@ import yaml
 from cluster.cli import main
 from cluster.manifest import load_manifest, parse_manifest
 from cluster.model_facts import read_model_facts
+from cluster.fit_check import model_facts_for
 from cluster.plan import INGRESS_NUM_CPUS, ModelFacts, make_plan, render_plan
 
 MANIFESTS = sorted((Path(__file__).resolve().parents[2] / "manifests").glob("*.yaml"))
+MANIFESTS_DIR = Path(__file__).resolve().parents[2] / "manifests"
 LOCAL = next(p for p in MANIFESTS if p.name == "local.yaml")  # disaggregated: prefill + decode
 COLOCATED = next(p for p in MANIFESTS if p.name == "local-colocated.yaml")
 GPU = next(p for p in MANIFESTS if p.name == "deepseek-v3-h200.yaml")
@@ -84,7 +86,7 @@ def test_local_manifest_plan_fits():
     assert plan.node_cpu_reserved == {"head": INGRESS_NUM_CPUS, "prefill-0": 1, "decode-0": 1, "decode-1": 1}
     assert plan.endpoint_url == "http://127.0.0.1:8000"
     assert plan.kv_transfer == ("decode pulls prompt KV from prefill over tcp; lease 30s, "
-                                "timeout 5s, on failure: recompute")
+                                "timeout 5s, both + the KV's bytes at 64 MiB/s, on failure: recompute")
 
 
 def test_colocated_local_manifest_plan_fits_without_a_kv_transfer_line():
@@ -163,7 +165,8 @@ def test_disaggregated_plan_renders_kv_transfer_and_places_each_role_on_its_node
         kv_transfer={"lease_s": 2.5, "transfer_timeout_s": 0.75, "failure_policy": "fail"},
     )
     plan = make_plan(manifest)
-    expected_line = "decode pulls prompt KV from prefill over tcp; lease 2.5s, timeout 0.75s, on failure: fail"
+    expected_line = ("decode pulls prompt KV from prefill over tcp; lease 2.5s, timeout 0.75s, both + the KV's bytes "
+                     "at 64 MiB/s, on failure: fail")
     assert plan.kv_transfer == expected_line
     text = render_plan(plan)
     lines = text.splitlines()
@@ -344,3 +347,23 @@ def test_the_prefix_routers_learn_the_kv_pool_capacity_in_their_blocks():
     assert kv_pool_capacity_tokens(parse_manifest(data), facts) == 2 * 256 * 2**20 // 2048
     line = make_plan(parse_manifest(data), facts).kv_pool
     assert "1 prefill engine(s) x 0 MiB + 2 decode engine(s) x 256 MiB = 0.50 GiB" in line, line
+
+
+def test_the_plan_shows_what_a_longest_prompt_adds_to_the_transfer_bounds():
+    manifest = load_manifest(MANIFESTS_DIR / "deepseek-v3-h200-disagg-ep.yaml")
+    plan = make_plan(manifest, model_facts_for(manifest))
+    # 131,072 tokens x 70,272 B of bf16 latents per token and rank, at 1,024 MiB/s.
+    assert "a 131,072-token prompt: 8,784 MiB per rank, +8.6s" in plan.kv_transfer
+    assert plan.errors == []
+
+
+def test_a_staging_arena_smaller_than_one_longest_prompt_is_an_error_naming_the_field_and_the_fix():
+    data = yaml.safe_load((MANIFESTS_DIR / "deepseek-v3-h200-disagg-ep.yaml").read_text())
+    data["kv_transfer"]["staging_mib"] = 1024
+    manifest = parse_manifest(data, "gpu.yaml")
+    (error,) = make_plan(manifest, model_facts_for(manifest)).errors
+    assert error.startswith("kv_transfer.staging_mib=1024: a 131,072-token prompt's KV is 8,784 MiB per rank")
+    assert "raise staging_mib to at least 8784, or lower model.max_model_len" in error
+    data["model"]["max_model_len"] = 8192  # 549 MiB: fits
+    manifest = parse_manifest(data, "gpu.yaml")
+    assert make_plan(manifest, model_facts_for(manifest)).errors == []
