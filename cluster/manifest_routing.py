@@ -27,15 +27,22 @@ class AdmissionSpec(_Strict):
     max_retry_after_s: Annotated[float, Field(ge=1, le=3600)] = 30.0
     """Longest Retry-After the ingress suggests (it estimates the drain time from the recent
     completion rate)."""
+    max_prompt_tokens_per_replica: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    """Prompt tokens allowed in flight per engine replica of the serving pool, counted with the
+    requests: past it, HTTP 429 (a request alone is always admitted). Set it where prompts range
+    from a few tokens to tens of thousands: a request count alone admits a hundred 32k-token
+    prompts as readily as a hundred short ones. None: requests are counted, not their tokens."""
 
     def limits_per_ingress(self, serving_pool, ingress_replicas: int) -> dict:
         """The bound each ingress replica enforces (each keeps its own count): the serving pool's
         capacity at its largest size, split evenly over the ingress replicas."""
         replicas = serving_pool.autoscaling.max_replicas if serving_pool.autoscaling else serving_pool.replicas
         engines = replicas * serving_pool.ranks_per_replica
+        tokens = self.max_prompt_tokens_per_replica
         return {"max_running": math.ceil(engines * serving_pool.engine.max_num_seqs / ingress_replicas),
                 "max_queued": math.ceil(engines * self.max_queued_per_replica / ingress_replicas),
-                "max_retry_s": self.max_retry_after_s}
+                "max_retry_s": self.max_retry_after_s,
+                "max_prompt_tokens": None if tokens is None else math.ceil(engines * tokens / ingress_replicas)}
 
 
 class RoutingSpec(_Strict):

@@ -233,7 +233,7 @@ class OpenAIIngress:
         check_types_vllm_assumes(chat, body)
         rendered = await self._front.render(chat, body)
         ctx = ResponseContext(rendered, self._model_name)
-        slot = self._admit(self._priority(request))
+        slot = self._admit(self._priority(request), prompt_tokens=sum(len(c.token_ids) for c in rendered.children))
         try:
             return await self._respond(ctx, request, trace, slot)
         except BaseException:
@@ -285,13 +285,14 @@ class OpenAIIngress:
     def _priority(self, request: Request) -> str:
         return request.headers.get(self._priority_header, "normal").strip().lower()
 
-    def _admit(self, priority: str, take: bool = True) -> Slot | None:
-        """Take a place in the bounded queue (only check for one: `take=False`), or raise 429 at
-        once (never wait for one). None: no place to give back (no gate, or only a check)."""
+    def _admit(self, priority: str, take: bool = True, prompt_tokens: int = 0) -> Slot | None:
+        """Take a place in the bounded queue (only check for one: `take=False`, before the
+        prompt's length is known), or raise 429 at once (never wait for one). None: no place to
+        give back (no gate, or only a check)."""
         if self._gate is None:
             return None
         try:
-            got = (self._gate.take if take else self._gate.check)(time.monotonic(), priority)
+            got = (self._gate.take if take else self._gate.check)(time.monotonic(), priority, prompt_tokens)
         except ValueError as exc:
             raise bad_request(f"header {self._priority_header}: {exc}", code="invalid_priority") from None
         if isinstance(got, Slot):

@@ -120,3 +120,31 @@ def test_without_admission_limits_everything_is_admitted():
             return await asyncio.gather(*tasks)
 
     assert [r.status_code for r in asyncio.run(scenario())] == [200] * 20
+
+
+def test_a_second_long_prompt_is_refused_while_short_ones_still_get_in():
+    """The gate counts each request's prompt tokens (after rendering, the real tokenizer's):
+    with room for 60 prompt tokens, one 40-token prompt in flight leaves no room for another,
+    but a short one is admitted; the 429 names the token bound."""
+    long_prompt = [7] * 40
+
+    async def scenario():
+        engine = GatedEngine()
+        client, ingress = app_for(engine, admission={"max_running": 8, "max_queued": 8, "max_retry_s": 30,
+                                                     "max_prompt_tokens": 60})
+        async with client:
+            first = asyncio.ensure_future(client.post("/v1/completions", json={
+                "model": MODEL["name"], "prompt": long_prompt}))
+            await _wait_until(lambda: engine.started == 1)
+            refused = await client.post("/v1/completions", json={"model": MODEL["name"], "prompt": long_prompt})
+            short = asyncio.ensure_future(complete(client))
+            await _wait_until(lambda: engine.started == 2)
+            engine.open.set()
+            done = [await first, await short]
+        return refused, done, ingress
+
+    refused, done, ingress = asyncio.run(scenario())
+    assert refused.status_code == 429 and "Retry-After" in refused.headers
+    assert "prompt tokens in flight" in refused.json()["error"]["message"]
+    assert [r.status_code for r in done] == [200, 200]
+    assert ingress._gate.in_flight == 0 and ingress._gate.prompt_tokens_in_flight == 0

@@ -107,3 +107,40 @@ def test_a_check_answers_as_admit_would_without_taking_a_place():
     assert gate.check(0.0, "low") is not None  # low may fill half the queue: floor(0.5) = 0
     gate.release(1.0)
     assert gate.check(1.0) is None and gate.check(1.0, "low") is not None
+
+
+def test_prompt_tokens_in_flight_are_bounded_with_the_requests():
+    """A 32k-token prompt is not one short prompt: with 40k tokens allowed, one long prompt and
+    a few short ones get in; a second long one waits for room, whatever the request count."""
+    g = gate(max_running=8, max_queued=8, max_prompt_tokens=40_000)
+    long_slot = g.take(NOW, prompt_tokens=32_000)
+    assert [g.admit(NOW, prompt_tokens=500) for _ in range(4)] == [None] * 4
+    rejection = g.admit(NOW, prompt_tokens=32_000)
+    assert rejection is not None and g.in_flight == 5 and g.prompt_tokens_in_flight == 34_000
+    assert rejection.reason == "34000 prompt tokens in flight and this request's 32000 exceed the limit of 40000"
+    assert g.admit(NOW, prompt_tokens=500) is None  # short ones still fit
+    long_slot.release(NOW)
+    long_slot.release(NOW)  # given back once
+    assert g.prompt_tokens_in_flight == 2_500 and g.admit(NOW, prompt_tokens=32_000) is None
+
+
+def test_a_prompt_longer_than_the_token_bound_is_admitted_alone():
+    g = gate(max_prompt_tokens=1_000)
+    assert g.admit(NOW, prompt_tokens=5_000) is None  # nothing else could ever make room for it
+    assert g.admit(NOW, prompt_tokens=10) is not None
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        gate(max_prompt_tokens=0)
+
+
+def test_the_manifest_token_bound_is_per_serving_engine_split_over_ingress_replicas():
+    from pathlib import Path
+
+    from cluster.manifest import load_manifest
+    from cluster.manifest_routing import AdmissionSpec
+
+    manifest = load_manifest(Path(__file__).resolve().parents[2] / "manifests" / "local-long-context.yaml")
+    decode = manifest.pools[1]
+    assert manifest.admission.limits_per_ingress(decode, ingress_replicas=1)["max_prompt_tokens"] == 196_608
+    spec = AdmissionSpec(max_prompt_tokens_per_replica=100_001)
+    assert spec.limits_per_ingress(decode, ingress_replicas=2)["max_prompt_tokens"] == 50_001
+    assert AdmissionSpec().limits_per_ingress(decode, ingress_replicas=1)["max_prompt_tokens"] is None
