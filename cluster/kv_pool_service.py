@@ -88,6 +88,11 @@ class MasterConfig:
     eviction_ratio: float = 0.1
     kv_lease_ttl_ms: int = 10_000
     client_ttl_s: int = 10
+    # A disk tier under the engines' DRAM segments (manifest kv_pool.disk): objects the master
+    # evicts are written to their client's disk first (offload on evict), evicted anyway when the
+    # offload queue is full (never a pool that refuses every put), and promoted back to memory
+    # on their second read. The clients own the files (kv_transfer/pool/mooncake_store.py).
+    offload: bool = False
 
     def command(self, binary: Path) -> list[str]:
         return [str(binary), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
@@ -99,7 +104,14 @@ class MasterConfig:
                 f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}",
                 f"--eviction_ratio={self.eviction_ratio}", f"--default_kv_lease_ttl={self.kv_lease_ttl_ms}",
                 f"--client_ttl={self.client_ttl_s}", "--enable_metadata_cleanup_on_timeout=true",
-                "--logtostderr"]
+                "--logtostderr", *self._offload_flags()]
+
+    def _offload_flags(self) -> list[str]:
+        if not self.offload:
+            return []
+        return ["--enable_offload=true", "--offload_on_evict=true", "--offload_force_evict=true",
+                "--promotion_on_hit=true", "--promotion_admission_threshold=2",
+                "--promotion_max_per_heartbeat=16"]
 
 
 def _parent_death_signal():
@@ -119,9 +131,9 @@ class KVPoolMaster:
     """
 
     def __init__(self, app_name: str, host: str = "127.0.0.1", rpc_port: int | None = None,
-                 http_port: int | None = None, log_dir: str | None = None):
+                 http_port: int | None = None, log_dir: str | None = None, offload: bool = False):
         self.config = MasterConfig(host, rpc_port or free_port(host), http_port or free_port(host),
-                                   free_port(host))
+                                   free_port(host), offload=offload)
         self._binary = master_binary()
         log_name = f"moe-serve-kv-pool-{app_name}-{self.config.rpc_port}.log"
         self.log_path = Path(log_dir or tempfile.gettempdir()) / log_name
@@ -142,7 +154,8 @@ class KVPoolMaster:
         with self._lock:
             pid = self._proc.pid if self._proc else None
         return {"master_address": f"{c.host}:{c.rpc_port}", "metadata_url": f"http://{c.host}:{c.http_port}/metadata",
-                "metrics_port": c.metrics_port, "restarts": self.restarts, "pid": pid, "log_path": str(self.log_path)}
+                "metrics_port": c.metrics_port, "restarts": self.restarts, "pid": pid, "log_path": str(self.log_path),
+                "offload": c.offload}
 
     def ready(self) -> bool:
         """The master accepts connections on its RPC and metadata ports."""
@@ -200,7 +213,7 @@ class KVPoolMaster:
 
 
 def ensure_pool(app_name: str, host: str = "127.0.0.1", rpc_port: int | None = None,
-                http_port: int | None = None, node_id: str | None = None) -> dict:
+                http_port: int | None = None, node_id: str | None = None, offload: bool = False) -> dict:
     """The app's pool master (started on `node_id`, default this node, if not running); its
     `address()` once it accepts connections. Needs a connected Ray driver. A running master
     keeps its ports (the clients know them): `rpc_port`/`http_port` only apply when it starts."""
@@ -214,7 +227,7 @@ def ensure_pool(app_name: str, host: str = "127.0.0.1", rpc_port: int | None = N
             name=actor_name(app_name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(app_name, host, rpc_port, http_port)
+        ).remote(app_name, host, rpc_port, http_port, None, offload)
     try:
         address = ray.get(actor.address.remote(), timeout=READY_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - actor creation errors come back as Ray errors

@@ -56,6 +56,26 @@ class KVTransferSpec(_Strict):
     full fails (then failure_policy applies)."""
 
 
+class KVPoolDiskSpec(_Strict):
+    """A disk tier under the pool's DRAM: what the master evicts from an engine's segment is
+    written to that engine's disk first, read from there on a hit and promoted back to memory
+    on the second hit (Mooncake Store's offload; docs/long-context.md)."""
+
+    path: str
+    """Absolute directory on every engine node (a local SSD); each engine writes under
+    path/<application>/<engine>, and removes its folder when it stops."""
+    capacity_gib: Annotated[float, Field(gt=0, le=1_048_576)]
+    """Disk each engine may fill; past it the least recently used objects are dropped."""
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"{path!r}: the disk tier needs an absolute path without '..' "
+                             "(Mooncake refuses others), e.g. /mnt/nvme/moe-serve-kv")
+        return path.rstrip("/") or "/"
+
+
 class KVPoolSpec(_Strict):
     """A cluster-wide KV cache pool (Mooncake Store) shared by prefill, decode and colocated
     engines: prefix blocks computed anywhere are loaded instead of recomputed, and decode
@@ -88,6 +108,8 @@ class KVPoolSpec(_Strict):
         return mib
     local_buffer_mib: Annotated[int, Field(ge=4, le=65_536)] = 64
     """Each engine's transfer buffer (and its staging for blocks in flight)."""
+    disk: KVPoolDiskSpec | None = None
+    """A disk tier under the DRAM segments (path, capacity_gib); None: DRAM only."""
     protocol: Literal["tcp", "rdma"] = "tcp"
     """Transport between pool clients: tcp (anywhere, CPU included) or rdma (GPU clusters)."""
     device_name: str = ""

@@ -127,6 +127,10 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
             "max_pending_stores": spec.max_pending_stores, "max_store_wait_s": spec.max_store_wait_s,
             "weights_id": spec.weights_id,
         }
+        if spec.disk is not None:
+            # Each engine writes under its own folder of it (the connector adds the engine's id).
+            settings["pool"].update(disk_dir=f"{spec.disk.path}/{manifest.name}",
+                                    disk_bytes=int(spec.disk.capacity_gib * (1 << 30)))
     return settings
 
 

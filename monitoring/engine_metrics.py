@@ -51,6 +51,8 @@ class EngineServerMetrics:
         mirror.update(m.KV_POOL_LOOKUP_BLOCKS, hits, pool=pool, outcome="hit")
         mirror.update(m.KV_POOL_LOOKUP_BLOCKS, kv.get("pool_lookup_blocks_total", 0) - hits, pool=pool, outcome="miss")
         for op, blocks, nbytes, seconds in (("loaded", "blocks_loaded", "bytes_loaded", "load_seconds"),
+                                           ("loaded_from_disk", "disk_blocks_loaded", "disk_bytes_loaded",
+                                            "disk_load_seconds"),
                                            ("stored", "blocks_stored", "bytes_stored", "store_seconds")):
             mirror.update(m.KV_POOL_BLOCKS, kv.get(f"pool_{blocks}_total", 0), pool=pool, op=op)
             mirror.update(m.KV_POOL_BYTES, kv.get(f"pool_{nbytes}_total", 0), pool=pool, op=op)

@@ -383,6 +383,8 @@ def connector_settings(kv_transfer: dict, engine_id: str, tp_size: int = 1) -> d
                 "min_transfer_bytes_per_s": float(kv_transfer.get("min_transfer_mib_s", 64)) * (1 << 20)}
     if kv_transfer.get("pool"):
         settings["pool"] = {**kv_transfer["pool"], "local_hostname": host}
+        if settings["pool"].get("disk_dir"):  # this engine's own folder of the disk tier
+            settings["pool"]["disk_dir"] = f"{settings['pool']['disk_dir']}/{engine_id}"
     return settings
 
 

@@ -33,12 +33,25 @@ is unreachable, calls fail at once. setup() runs in the background after a TCP p
 master, retried no sooner than `retry_after_s`; a client whose master has looked unreachable
 that long while its port accepts connections is replaced (`reconnect`), buffers replayed.
 A client is closed only once no call is running on it (that would segfault).
+
+A disk tier (`PoolSettings.disk_dir`; measured the same way, docs/long-context.md): a client set
+up with `enable_ssd_offload` and a folder of its own keeps the objects the master evicts from
+its segment in files there (the master's `--enable_offload --offload_on_evict`), serves them
+from disk on a read (over the same transfer engine) and gets them promoted back to memory on
+the second read. Its settings are environment variables read at setup (`_DISK_ENV`): small
+buckets and a 1 s heartbeat, since offload and promotion happen on the heartbeat. Puts into a
+full segment return -200 until the next heartbeat has written evicted objects out. Objects on
+disk survive a master restart: the client re-announces its files within a heartbeat or two.
+Each client owns one folder (pid and a counter) and deletes it when closed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import logging
+import os
+import shutil
 import socket
 import threading
 import time
@@ -53,6 +66,23 @@ NO_AVAILABLE_HANDLE = -200  # put: the pool is full
 OBJECT_ALREADY_EXISTS = -705  # put: the key is held (this client version answers 0 instead)
 MIN_SEGMENT_BYTES = 16 << 20  # setup() refuses a smaller non-zero segment (-600)
 _MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
+_DISK_FOLDERS = itertools.count()
+
+
+def _disk_env(disk_bytes: int) -> dict[str, str]:
+    """Mooncake's disk-tier settings (environment variables read at setup; 0.3.13). The bucket
+    backend writes objects in buckets of at most 16 keys or 8 MiB (nothing is written before a
+    bucket fills; at most an eighth of the tier, so that it evicts whole buckets and never stops
+    at one), drops the least recently used buckets past `disk_bytes`, and is rescanned after a
+    master restart; the per-client read buffer is 32 MiB instead of 1.25 GB."""
+    return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+            "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "16",
+            "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(max(min(8 << 20, disk_bytes // 8), 1 << 20)),
+            "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(disk_bytes),
+            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "fifo",
+            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(2 * disk_bytes),
+            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(32 << 20)}
 
 
 def _own_segment_first(raw: Any) -> Any:
@@ -80,6 +110,7 @@ class _Client:
     retired: bool = False
     mount_tried: bool = False
     unreachable_since_s: float | None = None
+    disk_dir: str = ""  # this client's own disk-tier folder, deleted when it is closed
 
 
 class MooncakePoolStore:
@@ -106,6 +137,10 @@ class MooncakePoolStore:
         self._overdue = 0  # calls past their deadline that are still running
         self._closed = False
         self._counts = {"timeouts_total": 0.0, "unavailable_total": 0.0, "reconnects_total": 0.0}
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return bool(self.settings.disk_dir)
 
     # -- PoolStore ------------------------------------------------------------------------------
 
@@ -142,6 +177,27 @@ class MooncakePoolStore:
                            lambda c: c.raw.batch_get_into(list(keys), list(addresses), list(sizes)))
         self._check(codes, len(keys), "batch_get_into")
         return [int(code) for code in codes]
+
+    def tiers_of(self, keys: Sequence[str]) -> list[str]:
+        """Where each object is read from: "memory" (a copy in some DRAM segment), "disk" (only
+        in a client's disk tier) or "missing". One master call; for the per-tier counters."""
+        if not keys:
+            return []
+
+        def where(c: _Client) -> list[str]:
+            replicas = c.raw.batch_get_replica_desc(list(keys))
+            out = []
+            for key in keys:
+                found = replicas.get(key) or []
+                if any(r.is_memory_replica() for r in found):
+                    out.append("memory")
+                elif any(r.is_local_disk_replica() or r.is_disk_replica() for r in found):
+                    out.append("disk")
+                else:
+                    out.append("missing")
+            return out
+
+        return self._call("batch_get_replica_desc", self._exists_timeout_s, where)
 
     def remove(self, keys: Sequence[str]) -> None:  # force: a corrupt object goes even while leased
         if keys:
@@ -385,17 +441,32 @@ class MooncakePoolStore:
             segment_bytes = self._segment_bytes
             buffers = list(self._buffers)
         raw = MooncakeDistributedStore()
+        disk_dir = self._new_disk_folder()
         rc = raw.setup(s.local_hostname, s.metadata_url, segment_bytes, s.local_buffer_bytes, s.protocol,
-                       s.device_name, s.master_address)
+                       s.device_name, s.master_address, None, bool(disk_dir), disk_dir)
         if rc != 0:
-            raise PoolUnavailable(f"Mooncake setup against {s.master_address} returned {rc}")
-        client = _Client(raw, segment_bytes, put_config=_own_segment_first(raw) if segment_bytes else None)
+            if disk_dir:
+                shutil.rmtree(disk_dir, ignore_errors=True)
+            hint = " (a disk tier needs a master started with it: moe-serve down, then deploy)" if disk_dir else ""
+            raise PoolUnavailable(f"Mooncake setup against {s.master_address} returned {rc}{hint}")
+        client = _Client(raw, segment_bytes, put_config=_own_segment_first(raw) if segment_bytes else None,
+                         disk_dir=disk_dir)
         for address, nbytes in buffers:
             rc = self._register(client, address, nbytes)
             if rc != 0:
                 self._retire(client)
                 raise PoolUnavailable(f"Mooncake register_buffer({address:#x}, {nbytes}) returned {rc}")
         return client
+
+    def _new_disk_folder(self) -> str:
+        """A folder only the next client writes to ("" without a disk tier): a retired client's
+        files are deleted with its folder, never rescanned by its successor."""
+        if not self.settings.disk_dir:
+            return ""
+        os.environ.update(_disk_env(self.settings.disk_bytes))
+        folder = os.path.realpath(os.path.join(self.settings.disk_dir, f"{os.getpid()}-{next(_DISK_FOLDERS)}"))
+        os.makedirs(folder, exist_ok=True)
+        return folder
 
     def _retire(self, client: _Client) -> threading.Event | None:
         """Close the client once no call runs on it (Event: set when closed, None: closed later)."""
@@ -413,6 +484,8 @@ class MooncakePoolStore:
             client.raw.close()  # 2 s; 15 s with the master gone
         except Exception:  # noqa: BLE001 - leaving the pool is best effort
             logger.warning("closing a Mooncake client failed", exc_info=True)
+        if client.disk_dir:
+            shutil.rmtree(client.disk_dir, ignore_errors=True)
         if done is not None:
             done.set()
 

@@ -43,6 +43,11 @@ class PoolSettings:
     max_store_wait_s: float = 5.0
     """A store that waited longer than this for its turn is dropped instead of run: its blocks
     have been held that long already, and the queue ahead of it says the pool is not keeping up."""
+    disk_dir: str = ""
+    """A disk tier under this engine's segment (Mooncake's offload): its folder, which only this
+    engine writes to (kv_pool.disk.path/<application>/<engine>); "": DRAM only."""
+    disk_bytes: int = 0
+    """Disk this engine's tier may fill (least recently used objects dropped past it)."""
     weights_id: str = ""
     """Names the checkpoint's weights in the pool's key space instead of their files' sizes and
     mtimes (see kv_transfer.pool.keys.Checkpoint): set it (a release tag, a content hash) when

@@ -52,6 +52,11 @@ class PoolCounts:
     blocks_loaded_total: int = 0
     bytes_loaded_total: int = 0
     load_seconds_total: float = 0.0
+    # Of those, what was read from the disk tier (a store with one): blocks, bytes and the time
+    # of the reads of chunks that had any object on disk.
+    disk_blocks_loaded_total: int = 0
+    disk_bytes_loaded_total: int = 0
+    disk_load_seconds_total: float = 0.0
     stores_total: int = 0
     store_failures_total: int = 0
     blocks_stored_total: int = 0
@@ -133,7 +138,14 @@ class PoolWorker:
         size = self._layout.object_bytes
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
         base = buffer.data_ptr()
+        on_disk = 0
+        if getattr(store, "has_disk_tier", False):
+            on_disk = store.tiers_of(keys).count("disk")
+        started = time.perf_counter()
         got = store.get_into(keys, [base + i * size for i in range(len(chunk))], [size] * len(chunk))
+        if on_disk:
+            self._count(disk_blocks_loaded_total=on_disk, disk_bytes_loaded_total=on_disk * self._layout.payload_bytes,
+                        disk_load_seconds_total=time.perf_counter() - started)
         view = memoryview(buffer.numpy())  # our staging buffer (host), never engine memory
         for i, (block, key, read) in enumerate(zip(chunk, keys, got)):
             if read != size:

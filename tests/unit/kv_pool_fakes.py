@@ -13,8 +13,10 @@ class FakePoolStore:
     """Objects in a dict; `down` makes every call raise PoolUnavailable, `capacity` refuses
     puts beyond that many objects. Addresses are real memory (read/written with ctypes)."""
 
-    def __init__(self, capacity: int | None = None):
+    def __init__(self, capacity: int | None = None, disk_tier: bool = False):
         self.objects: dict[str, bytes] = {}
+        self.has_disk_tier = disk_tier
+        self.on_disk: set[str] = set()
         self.capacity = capacity
         self.down = False
         self.calls: list[str] = []
@@ -62,6 +64,12 @@ class FakePoolStore:
                 ctypes.memmove(address, data, len(data))
                 out.append(len(data))
         return out
+
+    def tiers_of(self, keys):
+        """Only on a store with a disk tier (`on_disk`: keys demoted there)."""
+        self._check("tiers_of")
+        with self._lock:
+            return ["disk" if key in self.on_disk else "memory" if key in self.objects else "missing" for key in keys]
 
     def remove(self, keys):
         self._check("remove")

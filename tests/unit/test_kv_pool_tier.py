@@ -258,6 +258,33 @@ def test_blocks_stored_by_one_engine_load_byte_for_byte_into_another(store):
     assert writer.snapshot()["pool_blocks_already_pooled_total"] == 5
 
 
+def test_blocks_read_from_the_disk_tier_are_counted_as_such():
+    from tests.unit.kv_pool_fakes import FakePoolStore
+
+    store = FakePoolStore(disk_tier=True)
+    source, dest = BytePages(seed=4), BytePages()
+    writer, reader = worker(store), worker(store)
+    writer.attach(source)
+    reader.attach(dest)
+    req = request(prompt_len=80)
+    writer.store(blocks_of(req, [3, 4, 5, 6, 7]))
+    store.on_disk = set(list(store.objects)[:2])  # the master demoted the two oldest
+    reader.load(blocks_of(req, [10, 11, 12, 13, 14]))
+    assert [dest.block(b) for b in (10, 11, 12, 13, 14)] == [source.block(b) for b in (3, 4, 5, 6, 7)]
+    counts = reader.snapshot()
+    assert counts["pool_blocks_loaded_total"] == 5 and counts["pool_disk_blocks_loaded_total"] == 2
+    assert counts["pool_disk_bytes_loaded_total"] == 2 * LAYERS * PAGE_BYTES
+    assert counts["pool_disk_load_seconds_total"] > 0
+    # A store without a disk tier is never asked where objects are (one master call saved).
+    dram_only = FakePoolStore()
+    dram_only.objects = dict(store.objects)
+    plain = worker(dram_only)
+    plain.attach(BytePages())
+    plain.load(blocks_of(req, [10, 11, 12, 13, 14]))
+    assert "get_into" in dram_only.calls and "tiers_of" not in dram_only.calls
+    assert plain.snapshot()["pool_disk_blocks_loaded_total"] == 0
+
+
 def test_a_corrupt_or_foreign_object_fails_the_load(store):
     source = BytePages(seed=2)
     writer, reader = worker(store), worker(store)
