@@ -220,7 +220,14 @@ def _kv_pool_line(manifest: Manifest, facts: ModelFacts | None) -> str | None:
         engines = f"{sum(count for _, count, _ in counts)} engine(s) x {spec.segment_mib} MiB"
     else:
         engines = " + ".join(f"{count} {name} engine(s) x {mib} MiB" for name, count, mib in counts)
-    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {engines} = {size}; "
+    disk = ""
+    if spec.disk is not None:
+        engines_now = sum(pool.replicas * pool.ranks_per_replica for pool in manifest.pools
+                          if spec.segment_mib_for(pool.role) > 0)
+        disk_bytes = int(engines_now * spec.disk.capacity_gib * (1 << 30))
+        disk = (f"; disk tier under it: {engines_now} engine(s) x {spec.disk.capacity_gib:g} GiB at "
+                f"{spec.disk.path} = {capacity(disk_bytes)}")
+    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {engines} = {size}{disk}; "
             f"every engine loads prefixes from it and stores what it computed")
 
 

@@ -119,6 +119,7 @@ def kv_transfer() -> Dashboard:
             .with_panel(_panel("KV pool hit rate", q.KV_POOL_HIT_RATE))
             .with_panel(_panel("KV pool bandwidth", q.KV_POOL_BANDWIDTH))
             .with_panel(_panel("KV pool time per block", q.KV_POOL_LATENCY))
+            .with_panel(_panel("KV pool loads from the disk tier", q.KV_POOL_DISK_SHARE))
             .with_panel(_panel("KV pool failures (10 min) and engines without it", q.KV_POOL_FAILURES,
                                q.KV_POOL_DOWN)))
 

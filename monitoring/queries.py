@@ -133,8 +133,13 @@ KV_POOL_BANDWIDTH = Query("kv_pool_bandwidth", f"sum by (pool, op) (rate({series
 KV_POOL_LATENCY = Query(
     "kv_pool_latency",
     f"sum by (pool, op) (rate({series(m.KV_POOL_SECONDS)}[5m])) / "
-    f"sum by (pool, op) (rate({series(m.KV_POOL_BLOCKS)}{{op=~\"loaded|stored\"}}[5m]))",
-    "{{pool}} {{op}}", "s", "KV pool seconds per block loaded or stored")
+    f"sum by (pool, op) (rate({series(m.KV_POOL_BLOCKS)}{{op=~\"loaded|loaded_from_disk|stored\"}}[5m]))",
+    "{{pool}} {{op}}", "s", "KV pool seconds per block loaded (all, and those of chunks read from disk) or stored")
+KV_POOL_DISK_SHARE = Query(
+    "kv_pool_disk_share",
+    f"sum by (pool) (rate({series(m.KV_POOL_BLOCKS)}{{op=\"loaded_from_disk\"}}[{RATE_WINDOW}])) / "
+    f"sum by (pool) (rate({series(m.KV_POOL_BLOCKS)}{{op=\"loaded\"}}[{RATE_WINDOW}]))",
+    "{{pool}}", "percentunit", "Share of pool loads read from the disk tier (kv_pool.disk)")
 KV_POOL_FAILURES = Query("kv_pool_failures",
                          f"sum by (pool, op) ({recent_increase(series(m.KV_POOL_FAILURES))})", "{{pool}} {{op}}",
                          "short", "KV pool failures and corrupt objects in the last 10 minutes")

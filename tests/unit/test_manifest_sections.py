@@ -224,3 +224,27 @@ def test_rdma_for_kv_transfer_needs_the_mooncake_backend_and_a_gpu_manifest():
     issue = only_issue(broken(LOCAL, lambda d: d.setdefault("kv_transfer", {}).update(
         backend="mooncake", protocol="rdma")))
     assert (issue.field, issue.problem) == ("kv_transfer.protocol", "RDMA on a cpu manifest")
+
+
+def test_a_disk_tier_needs_an_absolute_path_and_a_capacity():
+    def with_disk(disk):
+        return lambda d: d["kv_pool"].update(disk=disk)
+
+    error = str(broken(LOCAL, with_disk({"path": "kv-cache", "capacity_gib": 4})))
+    assert "kv_pool.disk.path" in error and "absolute path" in error and "/mnt/nvme/moe-serve-kv" in error
+    assert "kv_pool.disk.path" in str(broken(LOCAL, with_disk({"path": "/data/../etc", "capacity_gib": 4})))
+    assert "kv_pool.disk.capacity_gib" in str(broken(LOCAL, with_disk({"path": "/data/kv", "capacity_gib": 0})))
+    assert "kv_pool.disk.capacity_gib" in str(broken(LOCAL, with_disk({"path": "/data/kv"})))
+
+
+def test_the_disk_tier_reaches_every_engine_with_its_own_folder():
+    from deployments.builder import engine_kv_settings
+    from deployments.engine.llm_server import connector_settings
+
+    manifest = load_manifest(next(p for p in MANIFESTS if p.name == "local-long-context.yaml"))
+    address = {"master_address": "127.0.0.1:1", "metadata_url": "http://127.0.0.1:2/metadata"}
+    pool = engine_kv_settings(manifest, address, "ab" * 32, "decode")["pool"]
+    assert pool["disk_dir"] == "/var/tmp/moe-serve-kv/moe-long" and pool["disk_bytes"] == 4 << 30
+    settings = connector_settings({**engine_kv_settings(manifest, address, "ab" * 32, "decode"), "host": "127.0.0.1"},
+                                  "decode-7f3a")
+    assert settings["pool"]["disk_dir"] == "/var/tmp/moe-serve-kv/moe-long/decode-7f3a"
