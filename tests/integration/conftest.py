@@ -157,6 +157,19 @@ def remove_test_app(name: str) -> None:
         stop_pool(name)
 
 
+def settled(read, timeout_s: float = 20.0, interval_s: float = 0.5):
+    """`read()` once two reads in a row agree (no store, load or pull still moving counters),
+    or the last read at `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    previous = None
+    while True:
+        current = read()
+        if current == previous or time.monotonic() > deadline:
+            return current
+        previous = current
+        time.sleep(interval_s)
+
+
 class ReferenceRun:
     """Greedy outputs of one plain vLLM engine (tests/reference_engine.py), computed in a
     subprocess; `outputs()` waits for it, and a failure shows the tail of its log.

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import DEFAULT_MANIFEST, TEST_HTTP_PORT, deploy_test_app, remove_test_app
+from tests.integration.conftest import DEFAULT_MANIFEST, TEST_HTTP_PORT, deploy_test_app, remove_test_app, settled
 from tests.prompt_set import CHAT_CONVERSATIONS, COMPLETION_PROMPTS, MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -84,14 +84,7 @@ class PoolApp:
 
     def settled(self, timeout_s: float = 20.0) -> dict[str, dict]:
         """Counters of every pool once no store or pull is in flight (two equal reads)."""
-        deadline = time.monotonic() + timeout_s
-        previous = None
-        while True:
-            current = {pool: self.pool_counters(pool) for pool in self.pools}
-            if current == previous or time.monotonic() > deadline:
-                return current
-            previous = current
-            time.sleep(0.5)
+        return settled(lambda: {pool: self.pool_counters(pool) for pool in self.pools}, timeout_s)
 
     def complete(self, prompt, base_url: str | None = None) -> dict:
         response = httpx.post(f"{base_url or self.base_url}/v1/completions", timeout=180, json={

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import TEST_HTTP_PORT, ReferenceRun, deploy_test_app, remove_test_app
+from tests.integration.conftest import TEST_HTTP_PORT, ReferenceRun, deploy_test_app, remove_test_app, settled
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("mooncake.store")
@@ -99,13 +99,7 @@ class LongApp:
 
     def settled(self, timeout_s: float = 60.0) -> dict[str, dict]:
         """Both engines' counters once no store, load or pull is in flight (two equal reads)."""
-        deadline, previous = time.monotonic() + timeout_s, None
-        while True:
-            current = {pool: self.counters(pool) for pool in ("prefill", "decode")}
-            if current == previous or time.monotonic() > deadline:
-                return current
-            previous = current
-            time.sleep(1.0)
+        return settled(lambda: {pool: self.counters(pool) for pool in ("prefill", "decode")}, timeout_s, 1.0)
 
     def complete(self, token_ids: list[int]) -> tuple[list[int], float, str]:
         started = time.monotonic()
