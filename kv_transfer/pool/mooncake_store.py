@@ -43,12 +43,19 @@ buckets and a 1 s heartbeat, since offload and promotion happen on the heartbeat
 full segment return -200 until the next heartbeat has written evicted objects out. Objects on
 disk survive a master restart: the client re-announces its files within a heartbeat or two.
 Each client owns one folder (pid and a counter) and deletes it when closed.
+Measured: with a nearly full tier Mooncake 0.3.13 demotes nothing ("[Evict] triggered", no
+bucket freed), so DRAM stays full and every put is refused; and demotion is slow (one bucket per
+heartbeat: puts into a full segment were refused for up to ~20 s while 24 MiB moved to disk). A
+store with a disk tier therefore drops the oldest quarter of the objects it stored itself once
+its puts have been refused for `stuck_s` (30 s, longer than a slow demotion's refusals;
+`_after_put`): the tiers then take new objects again, oldest first out.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+from collections import OrderedDict
 import logging
 import os
 import shutil
@@ -67,6 +74,8 @@ OBJECT_ALREADY_EXISTS = -705  # put: the key is held (this client version answer
 MIN_SEGMENT_BYTES = 16 << 20  # setup() refuses a smaller non-zero segment (-600)
 _MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
 _DISK_FOLDERS = itertools.count()
+STUCK_S = 30.0  # puts refused this long: the tiers are not making room by themselves
+_REMEMBERED_KEYS = 1 << 20  # keys a disk-tier store remembers in put order (to drop the oldest)
 
 
 def _disk_env(disk_bytes: int) -> dict[str, str]:
@@ -118,7 +127,7 @@ class MooncakePoolStore:
 
     def __init__(self, settings: PoolSettings, *, lookup_only: bool = False, exists_timeout_s: float = 1.0,
                  transfer_timeout_s: float = 5.0, close_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, stuck_s: float = STUCK_S):
         if 0 < settings.segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"kv pool segment_bytes={settings.segment_bytes}: Mooncake needs 0 (contribute "
                              f"nothing) or at least {MIN_SEGMENT_BYTES} (16 MiB)")
@@ -136,7 +145,11 @@ class MooncakePoolStore:
         self._buffers: list[tuple[int, int]] = []  # registered again on a replacement client
         self._overdue = 0  # calls past their deadline that are still running
         self._closed = False
-        self._counts = {"timeouts_total": 0.0, "unavailable_total": 0.0, "reconnects_total": 0.0}
+        self._counts = {"timeouts_total": 0.0, "unavailable_total": 0.0, "reconnects_total": 0.0,
+                        "dropped_for_room_total": 0.0}
+        self._stored: OrderedDict[str, None] = OrderedDict()  # disk tier: what this store put, oldest first
+        self._refused_since_s: float | None = None
+        self._stuck_s = stuck_s
 
     @property
     def has_disk_tier(self) -> bool:
@@ -168,7 +181,38 @@ class MooncakePoolStore:
         codes = self._call("batch_put_from", self._transfer_timeout_s, lambda c: c.raw.batch_put_from(
             list(keys), list(addresses), list(sizes), *([c.put_config] if c.put_config is not None else [])))
         self._check(codes, len(keys), "batch_put_from")
-        return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]  # -200 (full) and others: refused
+        ok = [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]  # -200 (full) and others: refused
+        if self.has_disk_tier:
+            self._after_put(keys, ok, refused=NO_AVAILABLE_HANDLE in codes)
+        return ok
+
+    def _after_put(self, keys: Sequence[str], ok: Sequence[bool], refused: bool) -> None:
+        """Remember what was stored, oldest first; when puts have been refused for `stuck_s`, drop
+        the oldest quarter of the objects this store put (at least this batch's count)."""
+        now_s = self._clock()
+        with self._lock:
+            for key, stored in zip(keys, ok):
+                if stored:
+                    self._stored[key] = None
+                    self._stored.move_to_end(key)
+            while len(self._stored) > _REMEMBERED_KEYS:
+                self._stored.popitem(last=False)
+            if not refused:
+                self._refused_since_s = None
+                return
+            if self._refused_since_s is None:
+                self._refused_since_s = now_s
+                return
+            if now_s - self._refused_since_s < self._stuck_s:
+                return
+            count = min(max(len(keys), len(self._stored) // 4), len(self._stored))
+            oldest = [self._stored.popitem(last=False)[0] for _ in range(count)]
+            self._refused_since_s = None
+            self._counts["dropped_for_room_total"] += len(oldest)
+        if oldest:
+            logger.warning("kv pool: puts refused for %.0f s with a disk tier; dropping the %d oldest objects "
+                           "this engine stored", self._stuck_s, len(oldest))
+            self.remove(oldest)
 
     def get_into(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
         if not keys:
