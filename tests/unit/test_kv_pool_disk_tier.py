@@ -92,7 +92,8 @@ def _until(predicate, timeout_s: float = 30.0):
         time.sleep(0.5)
 
 
-def test_what_overflows_dram_is_demoted_to_disk_and_read_back_identical(master, tmp_path):
+def test_what_overflows_dram_is_demoted_to_disk_read_back_identical_and_outlives_a_master_restart(
+        master, tmp_path):
     store = _store(master, tmp_path, disk_mib=256)
     keys = [f"disk-test/{i}" for i in range(160)]  # 40 MiB into a 16 MiB segment
     data = _objects(len(keys), seed=1)
@@ -105,6 +106,13 @@ def test_what_overflows_dram_is_demoted_to_disk_and_read_back_identical(master, 
         assert folder.startswith(str(tmp_path / "disk" / "engine-0")) and os.listdir(folder)
         same, missing = _read_all(store, keys, data)
         assert same >= len(keys) - tiers.count("missing") and same >= 140, (same, missing)
+
+        master.kill()
+        master.start()  # same ports: the client reconnects and re-announces its files
+        back = _until(lambda: sum(store.exists(keys)) >= 64 if _healthy(store) else False, timeout_s=60.0)
+        assert back, "no object on disk came back after the master restarted"
+        same, _ = _read_all(store, keys, data)
+        assert same >= 64  # what was in DRAM is gone with the master; what was on disk is not
     finally:
         store.close()
     assert not os.path.exists(folder), "a closed client's disk folder stays behind"
@@ -125,23 +133,6 @@ def test_a_full_disk_tier_drops_the_oldest_and_never_serves_a_wrong_one(master, 
         assert missing > 0 and same >= BATCH
         newest = keys[-BATCH:]
         assert store.exists(newest) == [True] * BATCH
-    finally:
-        store.close()
-
-
-def test_objects_on_disk_outlive_a_master_restart(master, tmp_path):
-    store = _store(master, tmp_path, disk_mib=256)
-    keys = [f"restart-test/{i}" for i in range(160)]
-    data = _objects(len(keys), seed=3)
-    try:
-        _put_all(store, keys, data)
-        assert _until(lambda: store.tiers_of(keys).count("disk") >= 64)
-        master.kill()
-        master.start()  # same ports: the client reconnects and re-announces its files
-        back = _until(lambda: sum(store.exists(keys)) >= 64 if _healthy(store) else False, timeout_s=60.0)
-        assert back, "no object on disk came back after the master restarted"
-        same, _ = _read_all(store, keys, data)
-        assert same >= 64  # what was in DRAM is gone with the master; what was on disk is not
     finally:
         store.close()
 
