@@ -100,4 +100,6 @@ class ConnectorSettings:
                              "and a port for each")
         if settings.failure_policy not in ("recompute", "fail"):
             raise ValueError(f"failure_policy must be recompute or fail, got {settings.failure_policy!r}")
+        if not settings.min_transfer_bytes_per_s > 0:
+            raise ValueError(f"min_transfer_bytes_per_s must be above 0, got {settings.min_transfer_bytes_per_s}")
         return settings

@@ -39,6 +39,8 @@ def test_the_pull_budget_and_the_lease_grow_by_the_bytes_at_the_slowest_rate():
     assert settings.lease_for_s(290 * MIB) == pytest.approx(30.0 + 290 / 64)
     # What decode may spend queued before its pull starts is the same for long and short prompts.
     assert settings.lease_for_s(290 * MIB) - settings.transfer_budget_s(290 * MIB) == 25.0
+    with pytest.raises(ValueError, match="min_transfer_bytes_per_s"):
+        ConnectorSettings.from_extra_config({"min_transfer_bytes_per_s": 0})
 
 
 def test_prefill_leases_a_long_prompts_blocks_for_longer():
