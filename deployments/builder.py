@@ -292,4 +292,5 @@ def build_app(manifest: Manifest, model_path: str, pool_address: dict | None = N
            priority_header=admission.priority_header,
            local_prefill_below_tokens=manifest.kv_transfer.local_prefill_below_tokens,
            local_prefill_hit_fraction=manifest.kv_transfer.local_prefill_hit_fraction if manifest.disaggregated else None,
-           decode_pool=serving.name, request_timeouts=effective_timeouts(manifest))
+           decode_pool=serving.name, request_timeouts=effective_timeouts(manifest),
+           prefill_pool=manifest.pool_with_role(PoolRole.prefill).name if manifest.disaggregated else "prefill")

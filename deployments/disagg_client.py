@@ -43,9 +43,11 @@ class DisaggregatedEngineClient:
     def __init__(self, prefill_handle: Any, decode_handle: Any, *, allow_fault_injection: bool = False,
                  local_prefill_below_tokens: int = 0, on_decision: Any = None,
                  timeouts: RequestTimeouts | None = None,
-                 local_hit_fraction: float | None = None, decode_router: Any = None):
+                 local_hit_fraction: float | None = None, decode_router: Any = None, prefill_router: Any = None):
         """`on_decision(reason)`: told for each request whether its prefill ran remotely ("remote")
-        or on decode ("local_short_prompt", "decode_holds_prefix"); `timeouts`: the request's
+        or on decode ("local_short_prompt", "decode_holds_prefix", "prefill_unavailable");
+        `prefill_router()`: the prefill pool's router in this process (its `curr_replicas`), or
+        None while it has none; `timeouts`: the request's
         bounds (the prefill's result is awaited for `prefill_timeout_s` grown by the prompt's
         length); `decode_router()`: the decode pool's router in this process (with
         `decide(prompt_token_ids, session_id)` and `block_size`), or None while it has none."""
@@ -58,6 +60,7 @@ class DisaggregatedEngineClient:
         self._rule = None if local_hit_fraction is None else \
             DisaggregationRule(min_uncached_tokens=0, local_hit_fraction=local_hit_fraction)
         self._decode_router = decode_router or (lambda: None)
+        self._prefill_router = prefill_router or (lambda: None)
         self._background: set[asyncio.Future] = set()
 
     async def stream(self, request: EngineRequest, *, inject_transfer_failure: bool = False,
@@ -71,6 +74,15 @@ class DisaggregatedEngineClient:
         request, local_reason = self._route_decode_first(request)
         if local_reason is not None:
             self._on_decision(local_reason)
+            async for item in self._decode.stream(request):
+                yield item
+            return
+        if self._prefill_pool_empty():
+            # No prefill replica is running (one died, and Serve is starting its replacement): a
+            # call now would wait in the handle's queue for the new replica, up to the prefill
+            # bound (CI: 125 s, then 504). Decode computes the prompt itself instead, as it does
+            # for short prompts: the same output, served now.
+            self._on_decision("prefill_unavailable")
             async for item in self._decode.stream(request):
                 yield item
             return
@@ -121,6 +133,12 @@ class DisaggregatedEngineClient:
                 # its release failing together, the lease left to expire). Releasing twice is
                 # harmless (the prefill side ignores ended leases); leaking blocks is not.
                 self._spawn(self._release(params))
+
+    def _prefill_pool_empty(self) -> bool:
+        """The prefill pool's router in this process knows of no running replica. (Before its
+        first call there is no router: the pool is assumed up.)"""
+        router = self._prefill_router()
+        return router is not None and not router.curr_replicas
 
     def _route_decode_first(self, request: EngineRequest) -> tuple[EngineRequest, str | None]:
         """(the request routed to its decode replica, why decode prefills it itself or None)."""

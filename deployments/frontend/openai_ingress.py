@@ -54,7 +54,8 @@ class OpenAIIngress:
                  prefill: Any = None, allow_fault_injection: bool = False, slo: dict | None = None,
                  metrics: Any = None, admission: dict | None = None, priority_header: str = "X-Priority",
                  local_prefill_below_tokens: int = 0, front: Any = None, request_timeouts: dict | None = None,
-                 local_prefill_hit_fraction: float | None = None, decode_pool: str = "decode"):
+                 local_prefill_hit_fraction: float | None = None, decode_pool: str = "decode",
+                 prefill_pool: str = "prefill"):
         """engine: the colocated or decode pool; prefill: the prefill pool when disaggregated;
         metrics: whether to export Prometheus metrics, or a monitoring.exporter.MetricsExporter;
         admission: AdmissionLimits fields (cluster.manifest_routing), None to admit everything;
@@ -73,7 +74,8 @@ class OpenAIIngress:
                 prefill, engine, allow_fault_injection=allow_fault_injection,
                 local_prefill_below_tokens=local_prefill_below_tokens, on_decision=self._count_prefill_decision,
                 timeouts=self._timeouts, local_hit_fraction=local_prefill_hit_fraction,
-                decode_router=functools.partial(router_for, decode_pool))
+                decode_router=functools.partial(router_for, decode_pool),
+                prefill_router=functools.partial(router_for, prefill_pool))
         else:
             self._engine = as_engine_client(engine)
         self._model_name: str = model["name"]

@@ -101,6 +101,9 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
                 "ignore_eos": True, "stream": True}
         error, done = None, False
         async with client.stream("POST", f"{stack.base_url}/v1/completions", json=body) as response:
+            if response.status_code != 200:  # failed before its first token: an HTTP error, no stream
+                error = json.loads(await response.aread())
+                return response.status_code, time.monotonic() - killed_at, error, done
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -128,9 +131,12 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
         assert status == 503 and body["error"]["code"] == "retry", body
     # The dead group's requests failed within the bound, not after their 1200 tokens.
     assert all(t < bound_s for _, t, _ in failed), failed
-    # Streams: every one ends with [DONE]; those on the dead group end with a retriable error
-    # event within the bound, the others complete.
-    assert all(status == 200 and done for status, _, _, done in streams), streams
+    # Streams: every one that started ends with [DONE]; those on the dead group end with a
+    # retriable error event within the bound, the others complete. A stream that had no token
+    # yet when the rank died (a slow machine: its prefill still queued after 3 s, CI) gets the
+    # non-streaming answer, a 503 `retry`, within the same bound.
+    assert all((status == 200 and done) or (status == 503 and error is not None)
+               for status, _, error, done in streams), streams
     broken = [(t, error) for _, t, error, _ in streams if error is not None]
     for seconds, error in broken:
         assert error["error"]["code"] == "retry" and seconds < bound_s, (seconds, error)

@@ -5,7 +5,9 @@ Under P/D every request's prompt runs on the prefill pool, which holds the compu
 a lease until decode pulls them. Killing its process while prompts are computing (and others wait
 in its queue or are being pulled by decode) must end each request one of two ways, quickly:
   - 200 with its tokens: its KV had reached decode, or decode's pull failed and the failure policy
-    (recompute) computed the prompt on decode instead;
+    (recompute) computed the prompt on decode instead, or it arrived while no prefill replica ran
+    and decode computed it from the start (a remote prefill would have waited in Serve's queue
+    for the replacement, up to the prefill bound: 125 s in a full local run, then 504);
   - a retriable error: HTTP 503 {"code": "retry"}, or, for a stream, an error event then [DONE].
 Runs after the expert-group module (file order); leaves the application as it found it, with a
 new prefill replica.

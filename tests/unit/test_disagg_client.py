@@ -198,6 +198,28 @@ def test_a_prompt_below_the_local_prefill_threshold_skips_the_prefill_pool(monke
     assert decisions == ["local_short_prompt", "remote"] and prefill.calls == 1
 
 
+def test_with_no_prefill_replica_running_decode_prefills_the_prompt_itself(monkeypatch):
+    """The prefill pool's only replica died and Serve is starting another: a remote prefill now
+    would wait in the handle's queue for the new replica, up to the prefill bound. Decode
+    computes the prompt itself (the same output); once a replica runs, prompts go remote again."""
+
+    class PrefillRouter:
+        curr_replicas: dict = {}
+
+    router = PrefillRouter()
+    decisions = []
+    prefill = FakePrefillHandle(PrefillResult(PARAMS, 3, 0.01))
+    decode = FakeDecodeClient([DELTA])
+    client = _client(prefill, decode, monkeypatch, on_decision=decisions.append, prefill_router=lambda: router)
+    assert asyncio.run(_drain(client.stream(REQUEST))) == [DELTA]
+    assert decisions == ["prefill_unavailable"] and prefill.calls == 0 and decode.requests[0].pull is None
+    router.curr_replicas = {"replica-2": object()}
+    client = _client(prefill, FakeDecodeClient([DELTA]), monkeypatch, on_decision=decisions.append,
+                     prefill_router=lambda: router)
+    asyncio.run(_drain(client.stream(REQUEST)))
+    assert decisions == ["prefill_unavailable", "remote"] and prefill.calls == 1
+
+
 class FakeDecodeRouter:
     """The decode pool's router as the client sees it: decide() and the engines' block size."""
 
