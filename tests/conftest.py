@@ -15,6 +15,11 @@ BUDGET_S = float(os.environ.get("MOE_SERVE_TEST_BUDGET_S", 80 * 60))
 _STARTED = time.monotonic()
 
 
+def remaining_budget_s() -> float:
+    """Seconds of the suite's time budget left (negative: over it)."""
+    return BUDGET_S - (time.monotonic() - _STARTED)
+
+
 def pytest_runtest_setup(item):
     spent = time.monotonic() - _STARTED
     if spent > BUDGET_S:

@@ -66,9 +66,21 @@ def _manifest() -> dict:
     return data
 
 
+# What this module costs on this machine (reference engine, deploy, two 32k prefills: ~6 min),
+# with room for a slower one, plus the CLI lifecycle module that runs after it.
+MODULE_NEEDS_S = 12 * 60
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """The plain engine's answers, computed before the deploy (never beside it: two cores)."""
+    from tests.conftest import remaining_budget_s
+
+    left_s = remaining_budget_s()
+    if left_s < MODULE_NEEDS_S:
+        pytest.skip(f"{left_s / 60:.0f} min of the suite's time budget left, this module and the one after it "
+                    f"need {MODULE_NEEDS_S / 60:.0f}: a slow machine (run it alone: "
+                    "pytest tests/integration/test_long_context_stack.py)")
     from cluster.checkpoints import resolve_model_path
     from cluster.manifest import parse_manifest
 
