@@ -63,6 +63,10 @@ def _manifest() -> dict:
         # Off, as in test_kv_pool_stack: a history the engine itself still caches would never be
         # looked up in the pool, and the pool's loads are what the second turn proves.
         pool["engine"]["enable_prefix_caching"] = False
+        # The session's application and the modules before this one hold every CPU the local
+        # nodes advertise (the EP module leaves two decode groups), and Ray would never place a
+        # replica asking for one; the engines share the machine's cores either way.
+        pool["placement"]["num_cpus"] = 0
     return data
 
 
