@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import TEST_HTTP_PORT, ReferenceRun, deploy_test_app, remove_test_app, settled
+from tests.prompt_set import MAX_TOKENS  # what the reference engine generates
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("mooncake.store")
@@ -37,7 +38,6 @@ MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "local-long-conte
 APP = "long-test"
 BLOCK = 128  # vLLM's CPU block size
 HISTORY_TOKENS = 32_000  # 250 full blocks
-MAX_TOKENS = 16
 VOCAB = 600  # the tiny tokenizer's ordinary tokens (ids 615+ are its special tokens)
 
 
