@@ -38,7 +38,7 @@ A disk tier (`PoolSettings.disk_dir`; measured the same way, docs/long-context.m
 up with `enable_ssd_offload` and a folder of its own keeps the objects the master evicts from
 its segment in files there (the master's `--enable_offload --offload_on_evict`), serves them
 from disk on a read (over the same transfer engine) and gets them promoted back to memory on
-the second read. Its settings are environment variables read at setup (`_DISK_ENV`): small
+the second read. Its settings are environment variables read at setup (`disk_tier.disk_env`): small
 buckets and a 1 s heartbeat, since offload and promotion happen on the heartbeat. Puts into a
 full segment return -200 until the next heartbeat has written evicted objects out. Objects on
 disk survive a master restart: the client re-announces its files within a heartbeat or two.
@@ -48,16 +48,13 @@ bucket freed), so DRAM stays full and every put is refused; and demotion is slow
 heartbeat: puts into a full segment were refused for up to ~20 s while 24 MiB moved to disk). A
 store with a disk tier therefore drops the oldest quarter of the objects it stored itself once
 its puts have been refused for `stuck_s` (30 s, longer than a slow demotion's refusals;
-`_after_put`): the tiers then take new objects again, oldest first out.
+`disk_tier.RoomMaker`): the tiers then take new objects again, oldest first out.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
-from collections import OrderedDict
 import logging
-import os
 import shutil
 import socket
 import threading
@@ -65,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from kv_transfer.pool.disk_tier import STUCK_S, RoomMaker, new_client_folder
 from kv_transfer.pool.store import PoolSettings, PoolUnavailable
 
 logger = logging.getLogger(__name__)
@@ -73,27 +71,6 @@ NO_AVAILABLE_HANDLE = -200  # put: the pool is full
 OBJECT_ALREADY_EXISTS = -705  # put: the key is held (this client version answers 0 instead)
 MIN_SEGMENT_BYTES = 16 << 20  # setup() refuses a smaller non-zero segment (-600)
 _MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
-_DISK_FOLDERS = itertools.count()
-STUCK_S = 30.0  # puts refused this long: the tiers are not making room by themselves
-_REMEMBERED_KEYS = 1 << 20  # keys a disk-tier store remembers in put order (to drop the oldest)
-
-
-def _disk_env(disk_bytes: int) -> dict[str, str]:
-    """Mooncake's disk-tier settings (environment variables read at setup; 0.3.13). The bucket
-    backend writes objects in buckets of at most 16 keys or 8 MiB (nothing is written before a
-    bucket fills; at most an eighth of the tier, so that it evicts whole buckets and never stops
-    at one), drops the least recently used buckets past `disk_bytes`, and is rescanned after a
-    master restart; the per-client read buffer is 32 MiB instead of 1.25 GB."""
-    return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
-            "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "16",
-            "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(max(min(8 << 20, disk_bytes // 8), 1 << 20)),
-            "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(disk_bytes),
-            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "fifo",
-            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(2 * disk_bytes),
-            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
-            "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(32 << 20)}
-
-
 def _own_segment_first(raw: Any) -> Any:
     """Put options that place objects in this client's own segment while it has room (g)."""
     from mooncake.store import ReplicateConfig
@@ -147,9 +124,7 @@ class MooncakePoolStore:
         self._closed = False
         self._counts = {"timeouts_total": 0.0, "unavailable_total": 0.0, "reconnects_total": 0.0,
                         "dropped_for_room_total": 0.0}
-        self._stored: OrderedDict[str, None] = OrderedDict()  # disk tier: what this store put, oldest first
-        self._refused_since_s: float | None = None
-        self._stuck_s = stuck_s
+        self._room = RoomMaker(stuck_s)  # disk tier: what this store put, and when to drop the oldest
 
     @property
     def has_disk_tier(self) -> bool:
@@ -187,31 +162,14 @@ class MooncakePoolStore:
         return ok
 
     def _after_put(self, keys: Sequence[str], ok: Sequence[bool], refused: bool) -> None:
-        """Remember what was stored, oldest first; when puts have been refused for `stuck_s`, drop
-        the oldest quarter of the objects this store put (at least this batch's count)."""
+        """Drop the oldest objects this store put when the tiers have stopped making room."""
         now_s = self._clock()
         with self._lock:
-            for key, stored in zip(keys, ok):
-                if stored:
-                    self._stored[key] = None
-                    self._stored.move_to_end(key)
-            while len(self._stored) > _REMEMBERED_KEYS:
-                self._stored.popitem(last=False)
-            if not refused:
-                self._refused_since_s = None
-                return
-            if self._refused_since_s is None:
-                self._refused_since_s = now_s
-                return
-            if now_s - self._refused_since_s < self._stuck_s:
-                return
-            count = min(max(len(keys), len(self._stored) // 4), len(self._stored))
-            oldest = [self._stored.popitem(last=False)[0] for _ in range(count)]
-            self._refused_since_s = None
+            oldest = self._room.after_put(keys, ok, refused, now_s)
             self._counts["dropped_for_room_total"] += len(oldest)
         if oldest:
             logger.warning("kv pool: puts refused for %.0f s with a disk tier; dropping the %d oldest objects "
-                           "this engine stored", self._stuck_s, len(oldest))
+                           "this engine stored", self._room.stuck_s, len(oldest))
             self.remove(oldest)
 
     def get_into(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -503,14 +461,8 @@ class MooncakePoolStore:
         return client
 
     def _new_disk_folder(self) -> str:
-        """A folder only the next client writes to ("" without a disk tier): a retired client's
-        files are deleted with its folder, never rescanned by its successor."""
-        if not self.settings.disk_dir:
-            return ""
-        os.environ.update(_disk_env(self.settings.disk_bytes))
-        folder = os.path.realpath(os.path.join(self.settings.disk_dir, f"{os.getpid()}-{next(_DISK_FOLDERS)}"))
-        os.makedirs(folder, exist_ok=True)
-        return folder
+        """The next client's own disk-tier folder ("" without a disk tier)."""
+        return new_client_folder(self.settings.disk_dir, self.settings.disk_bytes) if self.settings.disk_dir else ""
 
     def _retire(self, client: _Client) -> threading.Event | None:
         """Close the client once no call runs on it (Event: set when closed, None: closed later)."""
