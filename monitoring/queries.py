@@ -135,9 +135,12 @@ KV_POOL_LATENCY = Query(
     f"sum by (pool, op) (rate({series(m.KV_POOL_SECONDS)}[5m])) / "
     f"sum by (pool, op) (rate({series(m.KV_POOL_BLOCKS)}{{op=~\"loaded|loaded_from_disk|stored\"}}[5m]))",
     "{{pool}} {{op}}", "s", "KV pool seconds per block loaded (all, and those of chunks read from disk) or stored")
+# A pool without a disk tier never counts a disk load, so that series does not exist (Ray's
+# counters start at their first increment): `or 0 * loads` makes its share 0 rather than no data.
 KV_POOL_DISK_SHARE = Query(
     "kv_pool_disk_share",
-    f"sum by (pool) (rate({series(m.KV_POOL_BLOCKS)}{{op=\"loaded_from_disk\"}}[{RATE_WINDOW}])) / "
+    f"(sum by (pool) (rate({series(m.KV_POOL_BLOCKS)}{{op=\"loaded_from_disk\"}}[{RATE_WINDOW}])) or "
+    f"0 * sum by (pool) (rate({series(m.KV_POOL_BLOCKS)}{{op=\"loaded\"}}[{RATE_WINDOW}]))) / "
     f"sum by (pool) (rate({series(m.KV_POOL_BLOCKS)}{{op=\"loaded\"}}[{RATE_WINDOW}]))",
     "{{pool}}", "percentunit", "Share of pool loads read from the disk tier (kv_pool.disk)")
 KV_POOL_FAILURES = Query("kv_pool_failures",

@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# --durations: the slowest tests in every run's output, to keep the suite near its 30-minute budget.
+# --durations: the slowest tests in every run's output (tests/conftest.py adds minutes per module);
+# `--extended` also runs the extended tier (docs/testing.md).
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"

@@ -108,7 +108,11 @@ class ArchStack:
         return response.json()
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# GLM-4.5 is in the extended tier (docs/testing.md: ~6 minutes of CI for its two deployments):
+# its GQA pages cross the connector as the default Qwen3-MoE application's do, and
+# test_checkpoints_load.py loads its checkpoint in vLLM's real loader in the default tier.
+@pytest.fixture(scope="module", params=["tiny-deepseek-v3",
+                                        pytest.param("tiny-glm4-moe", marks=pytest.mark.extended)])
 def arch(request, stack, tmp_path_factory):
     from cluster.checkpoints import resolve_model_path
 
@@ -204,6 +208,7 @@ def test_ep_decode_ranks_hold_disjoint_halves_and_route_through_the_real_router(
         **stats.ranks[0].routed_tokens_per_expert, **stats.ranks[1].routed_tokens_per_expert}
 
 
+@pytest.mark.extended  # a third DeepSeek deployment (~2 min); P/D above already runs MLA in an EP group
 @pytest.mark.parametrize("arch", ["tiny-deepseek-v3"], indirect=True)
 def test_colocated_ep_group_is_token_identical(arch):
     """MLA, grouped sigmoid routing with its bias and shared experts under expert parallelism:
@@ -212,6 +217,7 @@ def test_colocated_ep_group_is_token_identical(arch):
     _assert_identical(arch, _outputs(arch))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch", ["tiny-glm4-moe"], indirect=True)
 def test_a_colocated_ep_group_sends_a_follow_up_to_the_rank_that_cached_its_prefix(arch):
     """Prefix routing on an expert-parallel pool: each rank follows its engine's KV events, the

@@ -1,5 +1,6 @@
-"""Both tiny checkpoint layouts load in vLLM's real loader and generate deterministically.
-(The Qwen3-MoE one is exercised by every other integration test; this covers Mixtral.)"""
+"""Tiny checkpoints load in vLLM's real loader and generate deterministically. (Qwen3-MoE is
+exercised by every other integration test and DeepSeek-V3 by test_architectures.py; this covers
+Mixtral, and GLM-4.5, whose P/D and expert-parallel runs are in the extended tier.)"""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ if __name__ == "__main__":
 """
 
 
-def test_tiny_mixtral_loads_in_vllm_and_is_deterministic(tmp_path):
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-glm4-moe"])
+def test_a_tiny_checkpoint_loads_in_vllm_and_is_deterministic(tmp_path, name):
     from cluster.checkpoints import ensure_checkpoint
 
-    path = ensure_checkpoint("tiny-mixtral", quiet=True)
+    path = ensure_checkpoint(name, quiet=True)
     script = tmp_path / "smoke.py"
     script.write_text(SMOKE)
     result = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,

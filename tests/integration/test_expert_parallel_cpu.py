@@ -19,7 +19,9 @@ import pytest
 from tests.integration.conftest import REPO
 from tests.prompt_set import COMPLETION_PROMPTS
 
-pytestmark = pytest.mark.integration
+# Extended tier (docs/testing.md): ~3 minutes; every default-tier test on the session's
+# application runs a 2-rank expert-parallel decode group against plain vLLM's outputs.
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
 def _free_port() -> int:

@@ -23,7 +23,10 @@ import yaml
 from tests.integration.conftest import deploy_test_app
 from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
-pytestmark = pytest.mark.integration
+# Extended tier (docs/testing.md): ~11 minutes of CI (two groups redeployed, one replaced). The
+# default tier proves the failure path on the prefill side (test_zx_prefill_failure.py) and a
+# rank's death failing its group's requests fast in tests/unit/test_expert_group.py.
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from tests.unit.ingress_fakes import HELLO, FakeEngine, make_client
 
-EXAMPLES = 1000
+# 400 bodies per endpoint here (~15 s each); benchmarks/fuzz_bodies.py runs the long campaign.
+EXAMPLES = 400
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "stream", "stream_options", "tools",
           "tool_choice", "response_format", "min_tokens", "echo", "suffix", "user", "presence_penalty",
