@@ -107,7 +107,8 @@ class DisaggregatedEngineClient:
             yield prefill
             return
         if trace is not None:
-            trace.mark_prefill_done(pool_load_s=getattr(prefill, "pool_load_s", 0.0))
+            trace.mark_prefill_done(pool_load_s=getattr(prefill, "pool_load_s", 0.0),
+                                    pool_disk_load_s=getattr(prefill, "pool_disk_load_s", 0.0))
         assert isinstance(prefill, PrefillResult)
         params = prefill.transfer_params
         if inject_transfer_failure and self._allow_fault_injection:

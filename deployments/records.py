@@ -90,6 +90,7 @@ class PrefillResult:
     prefill_s: float
     pool_load_s: float = 0.0  # of prefill_s: reading prompt blocks from the KV pool
     cached_tokens: int = 0  # prompt tokens the prefill did not compute (its prefix cache, the pool)
+    pool_disk_load_s: float = 0.0  # of pool_load_s: chunks the pool's disk tier served
 
 
 @dataclass(frozen=True)

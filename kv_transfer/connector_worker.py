@@ -13,7 +13,7 @@ Every engine serves its blocks (prefill role) and pulls blocks (decode role):
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -302,9 +302,10 @@ class WorkerSide:
 
     def _pull(self, job: PullJob) -> None:
         started = time.monotonic()
+        loaded = None
         if job.pool_blocks:
             try:
-                self._pool.load(job.pool_blocks)
+                loaded = self._pool.load(job.pool_blocks)
             except Exception as exc:  # missing, corrupt, pool down: vLLM recomputes (or fails) the request
                 logger.warning("kv pool: load of %d blocks for %s failed (%s: %s); policy %s",
                                len(job.pool_blocks), job.request_id, type(exc).__name__, exc,
@@ -317,21 +318,23 @@ class WorkerSide:
                 if job.params is not None:
                     self._release_remote(job.params)
                 return
-        pool_s = time.monotonic() - started
+        pool = LoadTiming(time.monotonic() - started, len(job.pool_blocks),
+                          pool_disk_s=loaded.disk_s if loaded else 0.0,
+                          pool_disk_blocks=loaded.disk_blocks if loaded else 0)
         if job.params is None:
             with self._lock:
-                self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks))
+                self._load_times[job.request_id] = pool
                 self._finished_recving.add(job.request_id)
             return
         if not job.local_block_ids:  # the pool held everything the lease did
             with self._lock:
-                self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks))
+                self._load_times[job.request_id] = pool
                 self._finished_recving.add(job.request_id)
             self._release_remote(job.params)
             return
-        self._pull_remote(job, pool_s)
+        self._pull_remote(job, pool)
 
-    def _pull_remote(self, job: PullJob, pool_s: float = 0.0) -> None:
+    def _pull_remote(self, job: PullJob, pool: LoadTiming = LoadTiming()) -> None:
         params = job.params
         self._counters.pull_started(len(job.local_block_ids))
         started = time.monotonic()
@@ -363,8 +366,8 @@ class WorkerSide:
             logger.warning("kv transfer: pull for %s failed (%s: %s); policy %s", job.request_id,
                            type(exc).__name__, exc, self._settings.failure_policy)
         with self._lock:
-            self._load_times[job.request_id] = LoadTiming(pool_s, len(job.pool_blocks), time.monotonic() - started,
-                                                          len(job.local_block_ids), pull_failed=failed)
+            self._load_times[job.request_id] = dataclasses.replace(
+                pool, pull_s=time.monotonic() - started, pull_blocks=len(job.local_block_ids), pull_failed=failed)
             self._finished_recving.add(job.request_id)
             if failed:
                 self._failed_recving.add(job.request_id)

@@ -208,7 +208,7 @@ class LoadTiming:
     """How long the engine's worker spent loading KV that this request did not compute
     (worker clock; the request waits for both before its first step)."""
 
-    pool_s: float = 0.0  # read from the KV pool
+    pool_s: float = 0.0  # read from the KV pool (both tiers)
     pool_blocks: int = 0
     pull_s: float = 0.0  # pulled from the prefill's lease
     pull_blocks: int = 0
@@ -216,13 +216,16 @@ class LoadTiming:
     # The pull from the prefill's lease failed and the engine recomputed. Whatever broke the pull
     # may have lost the release that follows it too: the P/D client then releases the lease itself.
     pull_failed: bool = False
+    pool_disk_s: float = 0.0  # of pool_s: reads of chunks the pool's disk tier served
+    pool_disk_blocks: int = 0
 
     def slower(self, other: "LoadTiming") -> "LoadTiming":
         """Ranks of one engine (tensor parallel) load their shards side by side: the request
         waits for the slowest of them."""
         return LoadTiming(max(self.pool_s, other.pool_s), max(self.pool_blocks, other.pool_blocks),
                           max(self.pull_s, other.pull_s), max(self.pull_blocks, other.pull_blocks),
-                          self.pool_failed or other.pool_failed, self.pull_failed or other.pull_failed)
+                          self.pool_failed or other.pool_failed, self.pull_failed or other.pull_failed,
+                          max(self.pool_disk_s, other.pool_disk_s), max(self.pool_disk_blocks, other.pool_disk_blocks))
 
     @classmethod
     def from_engine(cls, params: dict[str, Any] | None) -> "LoadTiming | None":

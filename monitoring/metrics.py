@@ -43,7 +43,8 @@ class Phase(str, Enum):
     ingress = "ingress"  # HTTP body received -> handed to the engine client (parse, validate, tokenize)
     prefill = "prefill"  # disaggregated: prefill pool round trip (its queue, prompt compute, the hop)
     queue = "queue"  # the (decode or colocated) engine's waiting queue: queued -> first scheduled
-    pool_load = "pool_load"  # reading KV blocks from the cluster's KV pool (prefill's and decode's reads)
+    pool_load = "pool_load"  # reading KV blocks from the cluster's KV pool's memory (prefill's and decode's reads)
+    pool_disk_load = "pool_disk_load"  # reading KV blocks that the pool's disk tier (kv_pool.disk) served
     kv_transfer = "kv_transfer"  # disaggregated decode: scheduled -> first token (KV pull + first step), less pool_load
     first_token_compute = "first_token_compute"  # colocated: scheduled -> first token (prompt compute)
     dispatch = "dispatch"  # the rest before the first token: routing, RPC hops, engine front end

@@ -30,26 +30,32 @@ class RequestMarks:
 
 
 def request_phases(marks: RequestMarks, queue_s: float | None, first_token_s: float | None,
-                   disaggregated: bool, engine_pool_s: float = 0.0, prefill_pool_s: float = 0.0) -> dict[Phase, float]:
+                   disaggregated: bool, engine_pool_s: float = 0.0, prefill_pool_s: float = 0.0,
+                   engine_pool_disk_s: float = 0.0, prefill_pool_disk_s: float = 0.0) -> dict[Phase, float]:
     """Phase durations of one request; without engine timings their share stays in `dispatch`.
     KV pool reads are carved out of the phase that contains them: the engine's first-token
-    phase (its worker loads before the first step) and, disaggregated, the prefill round trip."""
+    phase (its worker loads before the first step) and, disaggregated, the prefill round trip.
+    Of a pool read, what the pool's disk tier served is its own phase (`pool_disk_load`)."""
     admitted = marks.prefill_done if marks.prefill_done is not None else marks.dispatched
     phases = {Phase.ingress: marks.dispatched - marks.received}
-    pool_s = 0.0
+    pool_s = disk_s = 0.0
     if marks.prefill_done is not None:
         prefill_s = marks.prefill_done - marks.dispatched
         pool_s = min(prefill_pool_s, max(prefill_s, 0.0))
+        disk_s = min(prefill_pool_disk_s, pool_s)
         phases[Phase.prefill] = prefill_s - pool_s
     engine_s = 0.0
     if queue_s is not None and first_token_s is not None:
         phases[Phase.queue] = queue_s
         engine_pool_s = min(engine_pool_s, first_token_s)
         pool_s += engine_pool_s
+        disk_s += min(engine_pool_disk_s, engine_pool_s)
         phases[Phase.kv_transfer if disaggregated else Phase.first_token_compute] = first_token_s - engine_pool_s
         engine_s = queue_s + first_token_s
-    if pool_s > 0:
-        phases[Phase.pool_load] = pool_s
+    if pool_s - disk_s > 0:
+        phases[Phase.pool_load] = pool_s - disk_s
+    if disk_s > 0:
+        phases[Phase.pool_disk_load] = disk_s
     phases[Phase.dispatch] = max(marks.first_token - admitted - engine_s, 0.0)
     phases[Phase.inter_token] = marks.last_token - marks.first_token
     phases[Phase.finish] = marks.done - marks.last_token

@@ -27,15 +27,18 @@ class RequestTrace:
     engine_timing: Any = None  # deployments.records.EngineTiming of the first delta
     engine_pool_load_s: float = 0.0  # the (decode or colocated) engine's KV pool reads
     prefill_pool_load_s: float = 0.0  # disaggregated: the prefill engine's KV pool reads
+    engine_pool_disk_s: float = 0.0  # of engine_pool_load_s: what the pool's disk tier served
+    prefill_pool_disk_s: float = 0.0  # of prefill_pool_load_s: what the pool's disk tier served
     cached_tokens: int | None = None  # prompt tokens not computed (the first delta's count)
     phases: dict = field(default_factory=dict)
 
     def dispatch(self) -> None:
         self.dispatched = time.monotonic()
 
-    def mark_prefill_done(self, pool_load_s: float = 0.0) -> None:
+    def mark_prefill_done(self, pool_load_s: float = 0.0, pool_disk_load_s: float = 0.0) -> None:
         self.prefill_done = time.monotonic()
         self.prefill_pool_load_s = pool_load_s
+        self.prefill_pool_disk_s = pool_disk_load_s
 
     def on_delta(self, delta: Any) -> None:
         now = time.monotonic()
@@ -49,6 +52,7 @@ class RequestTrace:
             self.cached_tokens = delta.cached_tokens
         if getattr(delta, "kv_load", None) is not None:
             self.engine_pool_load_s = delta.kv_load.pool_s
+            self.engine_pool_disk_s = delta.kv_load.pool_disk_s
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens
 
@@ -83,7 +87,8 @@ class RequestMetrics:
         marks = RequestMarks(trace.received, trace.dispatched or trace.received, first, last, done, trace.prefill_done)
         timing = trace.engine_timing
         phases = request_phases(marks, getattr(timing, "queue_s", None), getattr(timing, "first_token_s", None),
-                                self._disaggregated, trace.engine_pool_load_s, trace.prefill_pool_load_s)
+                                self._disaggregated, trace.engine_pool_load_s, trace.prefill_pool_load_s,
+                                trace.engine_pool_disk_s, trace.prefill_pool_disk_s)
         trace.phases = phases
         e2e = done - trace.received
         ttft = first - trace.received

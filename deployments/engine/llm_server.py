@@ -228,7 +228,8 @@ class LLMServer:
         # Decode goes by the lease time left as the params leave this node, read on the clock that set it.
         return PrefillResult(TransferParams.from_engine(handed_over(final.kv_transfer_params, time.time())),
                              final.prompt_tokens,
-                             time.monotonic() - started, final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens)
+                             time.monotonic() - started, final.kv_load.pool_s if final.kv_load else 0.0, cached_tokens,
+                             final.kv_load.pool_disk_s if final.kv_load else 0.0)
 
     async def release(self, transfer_params: TransferParams) -> None:
         """Free a prefill's leased blocks that no decode will pull (e.g. the client went away),

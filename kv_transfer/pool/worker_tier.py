@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 WARM_UP_S = 10.0  # how long an engine's start waits to join the pool (a down pool costs this once)
 
 
+@dataclass(frozen=True)
+class PoolLoaded:
+    """What one load read: its bytes, and the blocks and seconds of the chunks that the disk tier
+    served (a request's `pool_disk_load` phase)."""
+
+    nbytes: int
+    disk_blocks: int = 0
+    disk_s: float = 0.0
+
+
 class PoolLoadFailed(KVTransferError):
     """A block the lookup found could not be read from the pool (evicted, failed, corrupt)."""
 
@@ -111,16 +121,18 @@ class PoolWorker:
 
     # -- loads ----------------------------------------------------------------------------------
 
-    def load(self, blocks: Sequence[PoolBlock]) -> int:
-        """Read every block into the KV cache, verified; bytes loaded. Raises on any failure."""
+    def load(self, blocks: Sequence[PoolBlock]) -> PoolLoaded:
+        """Read every block into the KV cache, verified. Raises on any failure."""
         started = time.perf_counter()
-        nbytes = 0
+        nbytes, disk_blocks, disk_s = 0, 0, 0.0
         try:
             store = self._usable_store()
             with self._staging_for("load") as (buffer, per_chunk):
                 for start in range(0, len(blocks), per_chunk):
-                    nbytes += self._load_chunk(store, blocks[start:start + per_chunk], buffer,
-                                               later=blocks[start + per_chunk:])
+                    chunk = self._load_chunk(store, blocks[start:start + per_chunk], buffer,
+                                             later=blocks[start + per_chunk:])
+                    nbytes, disk_blocks, disk_s = (nbytes + chunk.nbytes, disk_blocks + chunk.disk_blocks,
+                                                   disk_s + chunk.disk_s)
         except PoolUnavailable as exc:
             self._down(exc)
             self._count(load_failures_total=1)
@@ -131,10 +143,10 @@ class PoolWorker:
         self._health.succeeded()
         self._count(loads_total=1, blocks_loaded_total=len(blocks), bytes_loaded_total=nbytes,
                     load_seconds_total=time.perf_counter() - started)
-        return nbytes
+        return PoolLoaded(nbytes, disk_blocks, disk_s)
 
     def _load_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: torch.Tensor,
-                    later: Sequence[PoolBlock] = ()) -> int:
+                    later: Sequence[PoolBlock] = ()) -> PoolLoaded:
         size = self._layout.object_bytes
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
         base = buffer.data_ptr()
@@ -143,9 +155,10 @@ class PoolWorker:
             on_disk = store.tiers_of(keys).count("disk")
         started = time.perf_counter()
         got = store.get_into(keys, [base + i * size for i in range(len(chunk))], [size] * len(chunk))
+        disk_s = time.perf_counter() - started if on_disk else 0.0
         if on_disk:
             self._count(disk_blocks_loaded_total=on_disk, disk_bytes_loaded_total=on_disk * self._layout.payload_bytes,
-                        disk_load_seconds_total=time.perf_counter() - started)
+                        disk_load_seconds_total=disk_s)
         view = memoryview(buffer.numpy())  # our staging buffer (host), never engine memory
         for i, (block, key, read) in enumerate(zip(chunk, keys, got)):
             if read != size:
@@ -160,7 +173,7 @@ class PoolWorker:
                 raise
         # Every object of the chunk verified: into the cache in one batched copy per layer.
         self._pages.scatter([b.block_id for b in chunk], self._payloads(buffer, len(chunk)))
-        return len(chunk) * self._layout.payload_bytes
+        return PoolLoaded(len(chunk) * self._layout.payload_bytes, on_disk, disk_s)
 
     def _drop_corrupt(self, store: PoolStore, keys: list[str]) -> None:
         """Objects are immutable and a store skips keys the pool holds: a corrupt object left

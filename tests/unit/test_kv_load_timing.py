@@ -53,6 +53,27 @@ def test_a_pool_load_is_timed_by_the_worker_and_drained_once():
         side.shutdown()
 
 
+def test_the_worker_times_what_the_disk_tier_served_within_the_pool_load():
+    from kv_transfer.connector_scheduler import PullJob
+
+    store = FakePoolStore(disk_tier=True)
+    source = worker(store)
+    source.attach(BytePages(seed=6))
+    req = request(prompt_len=48)
+    source.store(blocks_of(req, [0, 1, 2]))
+    store.on_disk = set(list(store.objects)[:1])  # the master demoted the oldest
+    side = WorkerSide(ConnectorSettings(port=free_port()), pool=worker(store))
+    try:
+        side.register(BytePages())
+        side.apply(StepPlan(pulls=[PullJob(req.request_id, None, (), (), tuple(blocks_of(req, [7, 8, 9])))]))
+        _finished_recving(side, req.request_id)
+        timing = side.take_load_times()[req.request_id]
+        assert timing.pool_blocks == 3 and timing.pool_disk_blocks == 1
+        assert 0 < timing.pool_disk_s <= timing.pool_s
+    finally:
+        side.shutdown()
+
+
 def test_a_failed_pool_load_is_reported_to_the_scheduler_side():
     from kv_transfer.connector_scheduler import PullJob
 
@@ -112,6 +133,31 @@ def test_pool_load_is_its_own_phase_and_the_phases_still_add_up(disaggregated):
     if disaggregated:
         assert phases[Phase.prefill] == pytest.approx(0.2)
     assert sum(phases.values()) == pytest.approx(1.62)
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_what_the_disk_tier_served_is_its_own_phase_carved_from_the_pool_load(disaggregated):
+    marks = RequestMarks(received=0.0, dispatched=0.01, first_token=0.61, last_token=1.61, done=1.62,
+                         prefill_done=0.31 if disaggregated else None)
+    phases = request_phases(marks, queue_s=0.05, first_token_s=0.2, disaggregated=disaggregated,
+                            engine_pool_s=0.08, prefill_pool_s=0.1, engine_pool_disk_s=0.05, prefill_pool_disk_s=0.04)
+    assert phases[Phase.pool_disk_load] == pytest.approx(0.09 if disaggregated else 0.05)
+    assert phases[Phase.pool_load] == pytest.approx(0.09 if disaggregated else 0.03)
+    assert sum(phases.values()) == pytest.approx(1.62)
+
+
+def test_a_disk_time_above_its_pool_read_is_clamped_to_it():
+    marks = RequestMarks(0.0, 0.01, 0.5, 1.0, 1.01)
+    phases = request_phases(marks, 0.05, 0.2, disaggregated=False, engine_pool_s=0.08, engine_pool_disk_s=0.5)
+    assert phases[Phase.pool_disk_load] == pytest.approx(0.08) and Phase.pool_load not in phases
+    assert sum(phases.values()) == pytest.approx(1.01)
+
+
+def test_disk_timing_crosses_the_engine_boundary_and_ranks_wait_for_the_slowest():
+    timing = LoadTiming(0.3, 12, pool_disk_s=0.2, pool_disk_blocks=5)
+    assert LoadTiming.from_engine({LOAD_TIMING_KEY: timing.to_engine()}) == timing
+    merged = timing.slower(LoadTiming(0.4, 12, pool_disk_s=0.1, pool_disk_blocks=7))
+    assert (merged.pool_s, merged.pool_disk_s, merged.pool_disk_blocks) == (0.4, 0.2, 7)
 
 
 def test_no_pool_load_phase_without_pool_reads():

@@ -269,8 +269,10 @@ def test_blocks_read_from_the_disk_tier_are_counted_as_such():
     req = request(prompt_len=80)
     writer.store(blocks_of(req, [3, 4, 5, 6, 7]))
     store.on_disk = set(list(store.objects)[:2])  # the master demoted the two oldest
-    reader.load(blocks_of(req, [10, 11, 12, 13, 14]))
+    loaded = reader.load(blocks_of(req, [10, 11, 12, 13, 14]))
     assert [dest.block(b) for b in (10, 11, 12, 13, 14)] == [source.block(b) for b in (3, 4, 5, 6, 7)]
+    # What this load read from disk (the request's pool_disk_load phase), beside the counters.
+    assert loaded.nbytes == 5 * LAYERS * PAGE_BYTES and loaded.disk_blocks == 2 and loaded.disk_s > 0
     counts = reader.snapshot()
     assert counts["pool_blocks_loaded_total"] == 5 and counts["pool_disk_blocks_loaded_total"] == 2
     assert counts["pool_disk_bytes_loaded_total"] == 2 * LAYERS * PAGE_BYTES
@@ -280,7 +282,7 @@ def test_blocks_read_from_the_disk_tier_are_counted_as_such():
     dram_only.objects = dict(store.objects)
     plain = worker(dram_only)
     plain.attach(BytePages())
-    plain.load(blocks_of(req, [10, 11, 12, 13, 14]))
+    assert plain.load(blocks_of(req, [10, 11, 12, 13, 14])).disk_blocks == 0
     assert "get_into" in dram_only.calls and "tiers_of" not in dram_only.calls
     assert plain.snapshot()["pool_disk_blocks_loaded_total"] == 0
 
