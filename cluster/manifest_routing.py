@@ -69,11 +69,17 @@ class RoutingSpec(_Strict):
     off: the routers estimate it from what they sent where. Needs engine.enable_prefix_caching."""
     stats_period_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     """How often each replica reports its engine's queue, KV usage and epoch to the routers."""
+    prompt_tokens_per_request: Annotated[int, Field(ge=0, le=1 << 24)] = 4096
+    """least_loaded and prefix: a replica's load also counts the prompt tokens its engine has yet
+    to prefill (from its report), one request per this many tokens, so a 32k-token prompt in a
+    queue weighs as eight requests and a 100-token one as almost nothing. 0: requests only."""
 
     def router_kwargs(self, pool: str, block_size: int, capacity_blocks: int, metrics: bool = True,
                       pool_capacity_blocks: int = 0) -> dict:
         """`pool_capacity_blocks`: the KV pool's capacity in blocks of this pool's size (0: no pool)."""
         options = {"policy": self.policy, "block_size": block_size, "pool": pool, "metrics": metrics}
+        if self.policy in ("least_loaded", "prefix"):
+            options["prompt_tokens_per_request"] = self.prompt_tokens_per_request
         if self.policy == "prefix":
             options.update(capacity_blocks=capacity_blocks, imbalance_abs=self.imbalance_abs,
                            imbalance_rel=self.imbalance_rel, session_slack=self.session_slack)

@@ -79,6 +79,8 @@ class LLMServer:
             self._engine = engine_factory(model, engine, model_path, **factory_options)
         self._timeouts = RequestTimeouts.of(request_timeouts)
         self._in_flight: set[str] = set()
+        # Prompt tokens to prefill per request in the engine, until its first delta (routing report).
+        self._prompt_pending: dict[str, int] = {}
         self._aborted = AbortedIds()
         self._background = Background(logger)
         self._stream_interval_s = engine.get("stream_interval_ms", 0) / 1000.0
@@ -93,12 +95,15 @@ class LLMServer:
             self._stats.aborted_total += 1
             return
         self._in_flight.add(request.request_id)
+        if request.pull is None:  # a pulled prompt's KV arrives over the wire; the rest is computed here
+            self._prompt_pending[request.request_id] = len(request.prompt_token_ids)
         finished = False
         deltas = None
         try:
             deltas = coalesce(self._engine.generate(request), self._stream_interval_s,
                               merge=TokenDelta.then, is_final=lambda d: d.finish_reason is not None)
             async for delta in deltas:
+                self._prompt_pending.pop(request.request_id, None)
                 if self._aborted.contains(request.request_id, time.monotonic()):
                     break  # aborted while vLLM was still adding it: the finally ends it now
                 finished = delta.finish_reason is not None
@@ -119,6 +124,7 @@ class LLMServer:
                 yield EngineFailure(message=f"engine error: {type(exc).__name__}: {exc}", retriable=True)
         finally:
             self._in_flight.discard(request.request_id)
+            self._prompt_pending.pop(request.request_id, None)
             if finished:
                 self._stats.finished_total += 1
             else:
@@ -260,7 +266,8 @@ class LLMServer:
     def record_routing_stats(self) -> dict:
         """Serve asks every `routing.stats_period_s`; our request router reads it. The epoch names
         this engine: a new one means an empty prefix cache, whatever was routed here before."""
-        stats = {"epoch": self._stats.replica_id, "in_flight": len(self._in_flight), "at_s": time.time()}
+        stats = {"epoch": self._stats.replica_id, "in_flight": len(self._in_flight), "at_s": time.time(),
+                 "prompt_tokens_pending": sum(self._prompt_pending.values())}
         scheduler = getattr(self._engine, "scheduler", None)
         if scheduler is not None:
             stats.update(waiting=scheduler.waiting, kv_usage=scheduler.kv_cache_usage)

@@ -95,7 +95,8 @@ def leading_hits(prompt_hashes: Sequence[int], resident: Collection[int]) -> int
 
 def merge_routing_stats(per_rank: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     """The group's report to the pool's request router (LLMServer.record_routing_stats, one per
-    rank; None for a rank that did not answer in time): in flight and waiting summed, KV usage
+    rank; None for a rank that did not answer in time): in flight, waiting and prompt tokens
+    pending summed, KV usage
     the mean, the resident prefix blocks the union (a request the router sends to the group
     reaches the rank holding its prefix, pick_rank). The epoch changes when any rank's does: a
     restarted rank has an empty cache. A rank that did not answer contributes nothing."""
@@ -107,6 +108,8 @@ def merge_routing_stats(per_rank: Sequence[Mapping[str, Any] | None]) -> dict[st
     }
     if any("waiting" in stats for stats in answered):
         merged["waiting"] = sum(int(stats.get("waiting", 0)) for stats in answered)
+    if any("prompt_tokens_pending" in stats for stats in answered):
+        merged["prompt_tokens_pending"] = sum(int(stats.get("prompt_tokens_pending", 0)) for stats in answered)
     usage = [float(stats["kv_usage"]) for stats in answered if stats.get("kv_usage") is not None]
     if usage:
         merged["kv_usage"] = sum(usage) / len(usage)

@@ -18,7 +18,9 @@ prefix        cache- and load-aware. Rule, in order:
   like a replica's cache: every prompt routed and every block an engine reported (engines
   store what they computed when a request ends), least recent evicted first past its capacity.
   Load = requests this router has in flight there + the queue the replica last reported, if that
-  report is younger than `stale_after_s` (a stale report counts as unknown, not as idle).
+  report is younger than `stale_after_s` (a stale report counts as unknown, not as idle), + the
+  prompt tokens that report says are still to prefill, one request per `prompt_tokens_per_request`
+  (least_loaded and prefix): one 32k-token prompt is not one short request.
   What a replica holds: its engine's own report (`ReplicaState.resident`, from vLLM's KV cache
   events) when it sends one, else the router's estimate from what it routed there
   (prefix_index.py); either is emptied when the replica's epoch changes (engine restarted).
@@ -37,9 +39,13 @@ from deployments.routing.state import ReplicaState, RouteDecision, RoutingReques
 POOL = "<kv pool>"  # the pool's entry in its PrefixIndex
 
 
-def replica_load(replica: ReplicaState, now_s: float, stale_after_s: float) -> float:
+def replica_load(replica: ReplicaState, now_s: float, stale_after_s: float,
+                 prompt_tokens_per_request: int = 0) -> float:
     fresh = replica.reported_at_s is not None and now_s - replica.reported_at_s <= stale_after_s
-    return replica.ongoing + (replica.queued if fresh else 0)
+    if not fresh:
+        return replica.ongoing
+    tokens = replica.prompt_tokens_pending / prompt_tokens_per_request if prompt_tokens_per_request > 0 else 0.0
+    return replica.ongoing + replica.queued + tokens
 
 
 def fresh_kv_usage(replica: ReplicaState, now_s: float, stale_after_s: float) -> float:
@@ -65,15 +71,18 @@ class RoundRobin:
 class LeastLoaded:
     name = "least_loaded"
 
-    def __init__(self, stale_after_s: float = 30.0, seed: int | None = None, **_: object):
+    def __init__(self, stale_after_s: float = 30.0, seed: int | None = None, prompt_tokens_per_request: int = 0,
+                 **_: object):
         self.stale_after_s = stale_after_s
+        self.prompt_tokens_per_request = prompt_tokens_per_request
         self._rng = random.Random(seed)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState], now_s: float) -> RouteDecision | None:
         if not replicas:
             return None
         pair = self._rng.sample(list(replicas), k=min(2, len(replicas)))
-        chosen = min(pair, key=lambda r: (replica_load(r, now_s, self.stale_after_s), r.replica_id))
+        chosen = min(pair, key=lambda r: (replica_load(r, now_s, self.stale_after_s, self.prompt_tokens_per_request),
+                                          r.replica_id))
         return RouteDecision(chosen.replica_id, "least_loaded" if len(replicas) > 1 else "only_replica")
 
 
@@ -90,7 +99,7 @@ class PrefixAware:
     def __init__(self, capacity_blocks: int = 4096, weights: PrefixWeights = PrefixWeights(),
                  imbalance_abs: float = 8, imbalance_rel: float = 1.5, session_slack: float = 4,
                  stale_after_s: float = 30.0, max_sessions: int = 100_000, pool_capacity_blocks: int = 0,
-                 pool_hit_value: float = 0.8, **_: object):
+                 pool_hit_value: float = 0.8, prompt_tokens_per_request: int = 0, **_: object):
         self.index = PrefixIndex(capacity_blocks)
         self.pool = PrefixIndex(pool_capacity_blocks) if pool_capacity_blocks > 0 else None
         self.pool_hit_value = pool_hit_value
@@ -99,6 +108,7 @@ class PrefixAware:
         self.imbalance_rel = imbalance_rel
         self.session_slack = session_slack
         self.stale_after_s = stale_after_s
+        self.prompt_tokens_per_request = prompt_tokens_per_request
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
         self._turn = 0
@@ -115,7 +125,8 @@ class PrefixAware:
                 self.index.replace(replica.replica_id, replica.resident)
                 if self.pool is not None:
                     self.pool.record_routed(POOL, replica.resident)
-        loads = {r.replica_id: replica_load(r, now_s, self.stale_after_s) for r in replicas}
+        loads = {r.replica_id: replica_load(r, now_s, self.stale_after_s, self.prompt_tokens_per_request)
+                 for r in replicas}
         hits = {r.replica_id: self.index.hit_blocks(r.replica_id, request.block_hashes) for r in replicas}
         pooled = self.pool.hit_blocks(POOL, request.block_hashes) if self.pool is not None else 0
         decision = (self._load_gate(replicas, loads, hits) or self._session(request, loads, hits)

@@ -50,7 +50,8 @@ def replica_state(replica: RunningReplica, in_flight: int | None) -> ReplicaStat
     stats = replica.routing_stats or {}
     resident = stats.get("resident")
     return ReplicaState(replica.replica_id.unique_id, ongoing=in_flight or 0, queued=int(stats.get("waiting", 0)),
-                        kv_usage=float(stats.get("kv_usage", 0.0)), reported_at_s=stats.get("at_s"),
+                        kv_usage=float(stats.get("kv_usage", 0.0)),
+                        prompt_tokens_pending=int(stats.get("prompt_tokens_pending", 0)), reported_at_s=stats.get("at_s"),
                         epoch=str(stats.get("epoch", "")), resident=None if resident is None else tuple(resident))
 
 

@@ -10,7 +10,8 @@ class ReplicaState:
     """What the router knows of one engine replica at a moment.
 
     `ongoing` counts requests this router has sent and not seen finish (always fresh);
-    `queued`/`kv_usage` come from the replica's own report at `reported_at_s` and go stale.
+    `queued`/`kv_usage`/`prompt_tokens_pending` come from the replica's own report at
+    `reported_at_s` and go stale.
     `epoch` changes when the engine restarts: its cache is then empty whatever was sent before.
     """
 
@@ -18,6 +19,9 @@ class ReplicaState:
     ongoing: int = 0
     queued: int = 0
     kv_usage: float = 0.0  # 0..1 of the engine's KV blocks in use
+    # Prompt tokens of the requests in the engine that have no first token yet (and no KV pulled
+    # for them): the prefill work still ahead of a new request there.
+    prompt_tokens_pending: int = 0
     reported_at_s: float | None = None
     epoch: str = ""
     # The engine's own account of its prefix cache (router block hashes, from its KV events);

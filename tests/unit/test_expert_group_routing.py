@@ -39,12 +39,12 @@ def test_only_leading_blocks_count_as_hits():
 
 def test_the_group_report_sums_load_unites_caches_and_changes_epoch_with_any_rank():
     ranks = [{"epoch": "a", "in_flight": 2, "waiting": 1, "kv_usage": 0.2, "at_s": 10.0, "block_size": 4,
-              "resident": [1, 2]},
+              "resident": [1, 2], "prompt_tokens_pending": 900},
              {"epoch": "b", "in_flight": 1, "waiting": 0, "kv_usage": 0.4, "at_s": 9.0, "block_size": 4,
-              "resident": [2, 3]}]
+              "resident": [2, 3], "prompt_tokens_pending": 100}]
     merged = merge_routing_stats(ranks)
     assert merged == {"epoch": "group[a,b]", "in_flight": 3, "waiting": 1, "kv_usage": pytest.approx(0.3),
-                      "at_s": 9.0, "block_size": 4, "resident": [1, 2, 3]}
+                      "at_s": 9.0, "block_size": 4, "resident": [1, 2, 3], "prompt_tokens_pending": 1000}
     restarted = merge_routing_stats([ranks[0], {**ranks[1], "epoch": "c", "resident": []}])
     assert restarted["epoch"] != merged["epoch"] and restarted["resident"] == [1, 2]
     silent = merge_routing_stats([ranks[0], None])  # a rank that did not answer in time

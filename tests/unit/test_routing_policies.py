@@ -107,6 +107,22 @@ def test_a_stale_report_counts_as_unknown_not_as_idle_or_busy():
     assert PrefixAware(stale_after_s=10).choose(request([7] * 64), fresh, NOW).replica_id == "r1"
 
 
+def test_a_replica_prefilling_one_long_prompt_is_busier_than_one_with_two_short_ones():
+    # r0 runs one request whose 32k-token prompt is still prefilling; r1 runs two short ones.
+    # Counted in requests r0 looks idler; counted with their tokens (4,096 per request) it is not.
+    pool = [ReplicaState("r0", ongoing=1, prompt_tokens_pending=32_768, reported_at_s=NOW),
+            ReplicaState("r1", ongoing=2, prompt_tokens_pending=200, reported_at_s=NOW)]
+    assert LeastLoaded(seed=0).choose(request(SYSTEM), pool, NOW).replica_id == "r0"
+    assert {LeastLoaded(seed=i, prompt_tokens_per_request=4096).choose(request(SYSTEM), pool, NOW).replica_id
+            for i in range(10)} == {"r1"}
+    assert PrefixAware(prompt_tokens_per_request=4096).choose(request([7] * 64), pool, NOW).replica_id == "r1"
+    # A stale report's tokens are as unknown as its queue: only this router's own requests count.
+    stale = [ReplicaState("r0", ongoing=1, prompt_tokens_pending=32_768, reported_at_s=NOW - 60),
+             ReplicaState("r1", ongoing=2, prompt_tokens_pending=200, reported_at_s=NOW)]
+    assert PrefixAware(prompt_tokens_per_request=4096, stale_after_s=10).choose(
+        request([7] * 64), stale, NOW).replica_id == "r0"
+
+
 def test_a_restarted_replica_is_known_to_have_lost_its_cache():
     policy = PrefixAware()
     pool = replicas(0, 0)

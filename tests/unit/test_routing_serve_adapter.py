@@ -32,11 +32,12 @@ def test_calls_without_a_prompt_are_not_prefix_routed():
 
 def test_a_replica_report_becomes_a_replica_state():
     replica = SimpleNamespace(replica_id=SimpleNamespace(unique_id="abc"),
-                              routing_stats={"waiting": 3, "kv_usage": 0.5, "at_s": 12.0, "epoch": "e1"})
+                              routing_stats={"waiting": 3, "kv_usage": 0.5, "at_s": 12.0, "epoch": "e1",
+                                             "prompt_tokens_pending": 5000})
     assert replica_state(replica, 2) == replica_state(replica, 2)
     state = replica_state(replica, 2)
-    assert (state.replica_id, state.ongoing, state.queued, state.kv_usage, state.reported_at_s, state.epoch) == \
-        ("abc", 2, 3, 0.5, 12.0, "e1")
+    assert (state.replica_id, state.ongoing, state.queued, state.kv_usage, state.reported_at_s, state.epoch,
+            state.prompt_tokens_pending) == ("abc", 2, 3, 0.5, 12.0, "e1", 5000)
     fresh = replica_state(SimpleNamespace(replica_id=SimpleNamespace(unique_id="new"), routing_stats={}), None)
     assert (fresh.ongoing, fresh.queued, fresh.reported_at_s) == (0, 0, None)
 
