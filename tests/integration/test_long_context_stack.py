@@ -117,6 +117,19 @@ class LongApp:
         """Both engines' counters once no store, load or pull is in flight (two equal reads)."""
         return settled(lambda: {pool: self.counters(pool) for pool in ("prefill", "decode")}, timeout_s, 1.0)
 
+    def prompt_tokens_pending(self, pool: str, at_least: int, while_, timeout_s: float = 60.0) -> int:
+        """The most prompt tokens the pool's replica reported pending, polled until it reports
+        `at_least` (or `while_()` turns false, or the timeout)."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle(pool, app_name=APP)
+        most, deadline = 0, time.monotonic() + timeout_s
+        while most < at_least and while_() and time.monotonic() < deadline:
+            report = handle.record_routing_stats.remote().result(timeout_s=30)
+            most = max(most, int(report.get("prompt_tokens_pending", 0)))
+            time.sleep(0.5)
+        return most
+
     def complete(self, token_ids: list[int]) -> tuple[list[int], float, str]:
         started = time.monotonic()
         response = httpx.post(f"{self.base_url}/v1/completions", timeout=900, json={
@@ -169,6 +182,11 @@ def test_a_32k_prompt_through_pd_and_the_pool_is_token_identical_and_streams_kee
 
     worker = threading.Thread(target=long_request)
     worker.start()
+    # While it prefills, the prefill replica's routing report counts its tokens (a token-aware
+    # router weighs them; a count of requests would call this replica as busy as a short one).
+    pending = long_app.prompt_tokens_pending("prefill", at_least=HISTORY_TOKENS, while_=worker.is_alive)
+    _log(f"prefill reported {pending} prompt tokens pending")
+    assert pending >= HISTORY_TOKENS
     gaps: list[float] = []
     streams = 0
     while worker.is_alive() and streams < 40:  # short requests (prefilled by decode) meanwhile
@@ -221,3 +239,6 @@ def test_the_next_turn_loads_its_32k_history_from_the_pool(long_app, reference):
     assert hits == _delta(p, bp, "pool_blocks_loaded_total") >= full_blocks
     assert _delta(d, bd, "pool_blocks_loaded_total") >= full_blocks
     assert _delta(p, bp, "pool_load_failures_total") == 0 and _delta(d, bd, "pool_load_failures_total") == 0
+    # The reads are a phase of the request's own timing (pool_disk_load beside it when the disk
+    # tier served some: not here, the history fits the pool's memory).
+    assert "pool_load;dur=" in timing, timing
