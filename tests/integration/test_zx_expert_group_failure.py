@@ -193,3 +193,13 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["token_ids"] == reference_outputs[name]["token_ids"]
     assert _prefill_leases(stack)[1] == expired_before, "a prefill lease was left to expire"
+
+    # The broken group is on the experts dashboard's panel and in its alert's query (this is the
+    # test that breaks one: test_zzz_observability.py leaves that query to it).
+    from monitoring.prometheus_api import PrometheusAPI
+    from monitoring.queries import GROUP_FAILURES
+
+    api, deadline = PrometheusAPI(stack.prometheus_url), time.monotonic() + 60
+    while not (broken := api.query(GROUP_FAILURES.expr)) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert broken and sum(sample.value for sample in broken) >= 1, broken

@@ -93,7 +93,7 @@ def test_every_dashboard_and_alert_query_returns_data(stack, observed):
     from monitoring import dashboard_variables as dv
     from monitoring.alerts import alert_rules
     from monitoring.dashboards import all_dashboards, dashboard_queries
-    from monitoring.queries import ALL, AUTOSCALER, KV_POOL_DOWN
+    from monitoring.queries import ALL, AUTOSCALER, GROUP_FAILURES, KV_POOL_DOWN
 
     # The autoscaler's series exist only while an autoscaling manifest runs: the autoscaler
     # module (test_zzzz_autoscaler_stack.py) checks those expressions.
@@ -101,6 +101,9 @@ def test_every_dashboard_and_alert_query_returns_data(stack, observed):
     # The pool's health gauge exists only while an application with a KV pool runs (the
     # session's default application has none): test_kv_pool_stack.py checks that query.
     later.add(KV_POOL_DOWN.expr)
+    # A group's failure counter exists once a rank has died: the expert-group failure module
+    # (extended tier) kills one and checks that query.
+    later.add(GROUP_FAILURES.expr)
     later |= {dv.filtered(expr) for expr in later}  # as the dashboards hold them
     # The panels' variables as Grafana substitutes them. `.+` rather than "All" (`.*`): a series
     # lacking the label a variable filters would then have no data, so this also proves that

@@ -315,8 +315,12 @@ def test_stopping_prometheus_makes_the_autoscaler_hold_and_say_so(autoscaled):
     restarted_at = time.time()
     autoscaled.wait_for("decisions to resume", lambda: next(
         (d for d in autoscaled.decisions() if d["at_s"] > restarted_at and not d["held"]), None), timeout_s=60)
+    # The restarted Prometheus has the series once it has scraped the head node (every 2 s, its
+    # targets found through Ray's service-discovery file): wait for that, not for one query.
     api = PrometheusAPI(autoscaled.prometheus.url)
-    holding = {s.labels["reason"]: s.value for s in api.query("ray_moe_serve_autoscaler_holding")}
+    samples = autoscaled.wait_for("the holding series in the restarted Prometheus",
+                                  lambda: api.query("ray_moe_serve_autoscaler_holding"), timeout_s=60)
+    holding = {s.labels["reason"]: s.value for s in samples}
     assert holding.get("unreachable") in (0.0, 1.0)  # exported with its reason label
 
 
