@@ -93,6 +93,11 @@ class MasterConfig:
     # offload queue is full (never a pool that refuses every put), and promoted back to memory
     # on their second read. The clients own the files (kv_transfer/pool/mooncake_store.py).
     offload: bool = False
+    # Session retention (manifest kv_pool.sessions): objects put with a soft pin stay in DRAM
+    # until their pin expires, while unpinned ones are evicted (demoted) first. Mooncake's
+    # default lets eviction take pinned objects too when it finds too little else, which
+    # measured here left none of 24 pinned objects in memory (docs/long-context.md).
+    keep_pinned: bool = False
 
     def command(self, binary: Path) -> list[str]:
         return [str(binary), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
@@ -104,7 +109,8 @@ class MasterConfig:
                 f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}",
                 f"--eviction_ratio={self.eviction_ratio}", f"--default_kv_lease_ttl={self.kv_lease_ttl_ms}",
                 f"--client_ttl={self.client_ttl_s}", "--enable_metadata_cleanup_on_timeout=true",
-                "--logtostderr", *self._offload_flags()]
+                "--logtostderr", *self._offload_flags(),
+                *(["--allow_evict_soft_pinned_objects=false"] if self.keep_pinned else [])]
 
     def _offload_flags(self) -> list[str]:
         if not self.offload:
@@ -131,9 +137,10 @@ class KVPoolMaster:
     """
 
     def __init__(self, app_name: str, host: str = "127.0.0.1", rpc_port: int | None = None,
-                 http_port: int | None = None, log_dir: str | None = None, offload: bool = False):
+                 http_port: int | None = None, log_dir: str | None = None, offload: bool = False,
+                 keep_pinned: bool = False):
         self.config = MasterConfig(host, rpc_port or free_port(host), http_port or free_port(host),
-                                   free_port(host), offload=offload)
+                                   free_port(host), offload=offload, keep_pinned=keep_pinned)
         self._binary = master_binary()
         log_name = f"moe-serve-kv-pool-{app_name}-{self.config.rpc_port}.log"
         self.log_path = Path(log_dir or tempfile.gettempdir()) / log_name
@@ -155,7 +162,7 @@ class KVPoolMaster:
             pid = self._proc.pid if self._proc else None
         return {"master_address": f"{c.host}:{c.rpc_port}", "metadata_url": f"http://{c.host}:{c.http_port}/metadata",
                 "metrics_port": c.metrics_port, "restarts": self.restarts, "pid": pid, "log_path": str(self.log_path),
-                "offload": c.offload}
+                "offload": c.offload, "keep_pinned": c.keep_pinned}
 
     def ready(self) -> bool:
         """The master accepts connections on its RPC and metadata ports."""
@@ -213,7 +220,8 @@ class KVPoolMaster:
 
 
 def ensure_pool(app_name: str, host: str = "127.0.0.1", rpc_port: int | None = None,
-                http_port: int | None = None, node_id: str | None = None, offload: bool = False) -> dict:
+                http_port: int | None = None, node_id: str | None = None, offload: bool = False,
+                keep_pinned: bool = False) -> dict:
     """The app's pool master (started on `node_id`, default this node, if not running); its
     `address()` once it accepts connections. Needs a connected Ray driver. A running master
     keeps its ports (the clients know them): `rpc_port`/`http_port` only apply when it starts."""
@@ -227,7 +235,7 @@ def ensure_pool(app_name: str, host: str = "127.0.0.1", rpc_port: int | None = N
             name=actor_name(app_name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(app_name, host, rpc_port, http_port, None, offload)
+        ).remote(app_name, host, rpc_port, http_port, None, offload, keep_pinned)
     try:
         address = ray.get(actor.address.remote(), timeout=READY_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - actor creation errors come back as Ray errors

@@ -76,6 +76,19 @@ class KVPoolDiskSpec(_Strict):
         return path.rstrip("/") or "/"
 
 
+class KVPoolSessionsSpec(_Strict):
+    """Session-aware retention: requests with an `X-Session-Id` header store their blocks with a
+    soft pin, so that while a session is active its history stays in DRAM and idle sessions'
+    objects are evicted (with `disk`: demoted to disk) before it; each turn renews the pins of
+    the history it reused (docs/long-context.md)."""
+
+    idle_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    """How long after its last turn a session's history stays pinned."""
+    max_pinned_share: Annotated[float, Field(gt=0, le=0.9)] = 0.5
+    """The share of an engine's segment its pins may take; the rest stays evictable, so pinned
+    objects never leave the master nothing to evict (past it, blocks are stored unpinned)."""
+
+
 class KVPoolSpec(_Strict):
     """A cluster-wide KV cache pool (Mooncake Store) shared by prefill, decode and colocated
     engines: prefix blocks computed anywhere are loaded instead of recomputed, and decode
@@ -110,6 +123,9 @@ class KVPoolSpec(_Strict):
     """Each engine's transfer buffer (and its staging for blocks in flight)."""
     disk: KVPoolDiskSpec | None = None
     """A disk tier under the DRAM segments (path, capacity_gib); None: DRAM only."""
+    sessions: KVPoolSessionsSpec | None = None
+    """Keep active sessions' history in DRAM (idle_s, max_pinned_share); None: the master
+    evicts by its own order, sessions or not."""
     protocol: Literal["tcp", "rdma"] = "tcp"
     """Transport between pool clients: tcp (anywhere, CPU included) or rdma (GPU clusters)."""
     device_name: str = ""

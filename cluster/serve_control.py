@@ -111,12 +111,18 @@ def start_kv_pool(manifest: Manifest, progress=print) -> dict:
     node_id, host = head_node()
     progress(f"starting the KV pool (Mooncake Store master) for '{manifest.name}' on the head node")
     address = ensure_pool(manifest.name, host=host, rpc_port=spec.master_rpc_port,
-                          http_port=spec.master_http_port, node_id=node_id, offload=spec.disk is not None)
+                          http_port=spec.master_http_port, node_id=node_id, offload=spec.disk is not None,
+                          keep_pinned=spec.sessions is not None)
     if spec.disk is not None and not address.get("offload"):
         # Mooncake clients with a disk tier refuse a master without offload (setup fails).
         raise ClusterError(f"the KV pool master of '{manifest.name}' was started without a disk tier and is "
                            "kept across redeploys; run `moe-serve down` for this application, then deploy again "
                            "to start it with kv_pool.disk")
+    if spec.sessions is not None and not address.get("keep_pinned"):
+        # Its eviction would take pinned objects like any other: sessions would not be kept.
+        raise ClusterError(f"the KV pool master of '{manifest.name}' was started without kv_pool.sessions and is "
+                           "kept across redeploys; run `moe-serve down` for this application, then deploy again "
+                           "to start it keeping sessions' pinned objects")
     progress(f"KV pool master at {address['master_address']} (metadata {address['metadata_url']}); "
              f"each engine contributes {spec.segment_mib} MiB"
              + (f" (prefill engines {spec.prefill_segment_mib} MiB)" if spec.prefill_segment_mib is not None else ""))

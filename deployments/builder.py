@@ -127,6 +127,9 @@ def engine_kv_settings(manifest: Manifest, pool_address: dict | None, grant_secr
             "max_pending_stores": spec.max_pending_stores, "max_store_wait_s": spec.max_store_wait_s,
             "weights_id": spec.weights_id,
         }
+        if spec.sessions is not None:
+            settings["pool"].update(session_pin_s=spec.sessions.idle_s,
+                                    session_pin_share=spec.sessions.max_pinned_share)
         if spec.disk is not None:
             # Each engine writes under its own folder of it (the connector adds the engine's id).
             settings["pool"].update(disk_dir=f"{spec.disk.path}/{manifest.name}",

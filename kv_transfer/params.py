@@ -21,6 +21,7 @@ from typing import Any
 PRODUCE_KEY = "do_remote_decode"  # prefill: keep the blocks and return TransferParams
 CONSUME_KEY = "do_remote_prefill"  # decode: pull the blocks named by the params
 LOAD_TIMING_KEY = "moe_serve_kv_load"  # a finished request's LoadTiming, when it loaded KV
+SESSION_KEY = "moe_serve_session"  # the request belongs to a client's session (X-Session-Id): pin its pooled KV
 TRANSIT_ALLOWANCE_S = 0.5  # untimed hops between the prefill node and decode's receipt (two Ray RPCs)
 
 
@@ -240,6 +241,12 @@ class LoadTiming:
 def is_transfer(params: dict[str, Any] | None) -> bool:
     """Whether a finished prefill's kv_transfer_params name leased blocks (not only a timing)."""
     return bool(params) and "remote_block_ids" in params
+
+
+def in_session(params: Any) -> bool:
+    """Whether a request's kv_transfer_params mark it as part of a session (set by our engine
+    server from the ingress's X-Session-Id; a client cannot set kv_transfer_params)."""
+    return isinstance(params, dict) and params.get(SESSION_KEY) is True
 
 
 def prefill_request_params() -> dict[str, Any]:

@@ -58,7 +58,7 @@ class EngineServerMetrics:
             mirror.update(m.KV_POOL_BYTES, kv.get(f"pool_{nbytes}_total", 0), pool=pool, op=op)
             mirror.update(m.KV_POOL_SECONDS, kv.get(f"pool_{seconds}_total", 0.0), pool=pool, op=op)
         for op, key in (("already_pooled", "blocks_already_pooled"), ("refused", "blocks_refused"),
-                        ("shed", "blocks_shed")):
+                        ("shed", "blocks_shed"), ("pinned", "blocks_pinned"), ("renewed", "blocks_renewed")):
             mirror.update(m.KV_POOL_BLOCKS, kv.get(f"pool_{key}_total", 0), pool=pool, op=op)
         for op, key in (("lookup", "lookup_failures"), ("load", "load_failures"), ("store", "store_failures"),
                         ("corrupt", "corrupt_objects")):

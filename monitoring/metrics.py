@@ -149,7 +149,8 @@ KV_POOL_BLOCKS = MetricDef("moe_serve_kv_pool_blocks_total", Kind.counter,
                            "KV blocks moved between engines and the pool, by op (loaded, stored, "
                            "already_pooled, refused: the pool was full, shed: a store dropped because "
                            "too many were pending or it waited too long; loaded_from_disk: those of the "
-                           "loaded read from the pool's disk tier).", ("pool", "op"))
+                           "loaded read from the pool's disk tier; pinned: put or renewed with a session's "
+                           "pin; renewed: of those, held objects whose pin was renewed).", ("pool", "op"))
 KV_POOL_BYTES = MetricDef("moe_serve_kv_pool_bytes_total", Kind.counter,
                           "KV cache bytes loaded from and stored to the pool, by op.", ("pool", "op"))
 KV_POOL_SECONDS = MetricDef("moe_serve_kv_pool_seconds_total", Kind.counter,

@@ -79,11 +79,15 @@ def kv_transfer_config(connector_settings: dict, failure_policy: str):
 def engine_transfer_params(request: EngineRequest) -> dict | None:
     """vLLM's kv_transfer_params for a request: the one place our typed transfer records become
     the engine's dict (read by kv_transfer/connector_scheduler.py inside the engine)."""
-    from kv_transfer.params import prefill_request_params
+    from kv_transfer.params import SESSION_KEY, prefill_request_params
 
     if request.pull is not None:
-        return request.pull.to_engine()
-    return prefill_request_params() if request.produce_kv else None
+        params = request.pull.to_engine()
+    else:
+        params = prefill_request_params() if request.produce_kv else None
+    if request.session_id:  # the pool pins a session's KV in DRAM (kv_pool.sessions; else ignored)
+        params = {**(params or {}), SESSION_KEY: True}
+    return params
 
 
 def to_sampling_params(spec: Any, kv_transfer_params: dict | None = None):

@@ -129,13 +129,18 @@ def scheduler_tier(settings: PoolSettings, vllm_config: Any, kv_cache_config: An
     from kv_transfer.pool.scheduler_tier import PoolScheduler
 
     return PoolScheduler(store_factory(settings, lookup_only=True), key_space(settings, vllm_config, kv_cache_config),
-                         vllm_config.cache_config.block_size, PoolHealth(settings.retry_after_s))
+                         vllm_config.cache_config.block_size, PoolHealth(settings.retry_after_s),
+                         sessions=settings.session_pin_s > 0)
 
 
 def worker_tier(settings: PoolSettings, vllm_config: Any, kv_cache_config: Any, tp_rank: int):
     """`tp_rank`: the worker's tensor-parallel rank (its shard's keys)."""
+    from kv_transfer.pool.session_pins import SessionPins
     from kv_transfer.pool.worker_tier import PoolWorker
 
+    pins = None
+    if settings.session_pin_s > 0:  # pins live in this engine's own segment: a share of it at most
+        pins = SessionPins(settings.session_pin_s, int(settings.session_pin_share * settings.segment_bytes))
     # Staging: what one batched get or put moves; the store's own buffer is the natural size.
     return PoolWorker(store_factory(settings), key_space(settings, vllm_config, kv_cache_config), tp_rank,
-                      PoolHealth(settings.retry_after_s), staging_bytes=settings.local_buffer_bytes)
+                      PoolHealth(settings.retry_after_s), staging_bytes=settings.local_buffer_bytes, pins=pins)

@@ -73,10 +73,22 @@ MIN_SEGMENT_BYTES = 16 << 20  # setup() refuses a smaller non-zero segment (-600
 _MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
 def _own_segment_first(raw: Any) -> Any:
     """Put options that place objects in this client's own segment while it has room (g)."""
-    from mooncake.store import ReplicateConfig
+    return _put_options(raw.get_hostname(), 0.0)
+
+
+def _put_options(segment: str | None, pin_s: float) -> Any:
+    """A put's ReplicateConfig: this client's segment first (when it has one), and a soft pin of
+    `pin_s` seconds (0: none). A pin keeps the object in DRAM while unpinned objects are evicted
+    first, on a master started with allow_evict_soft_pinned_objects=false; it lasts `pin_s` from
+    this put, renewed only by another upsert (reads do not renew it)."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
 
     config = ReplicateConfig()
-    config.preferred_segment = raw.get_hostname()
+    if segment:
+        config.preferred_segment = segment
+    if pin_s > 0:
+        config.soft_pin_action = SoftPinAction.ENABLE
+        config.soft_pin_ttl_ms = max(1, int(pin_s * 1000))
     return config
 
 
@@ -150,12 +162,21 @@ class MooncakePoolStore:
         self._check(codes, len(keys), "batch_is_exist", all_negative_is_failure=True)
         return [code == 1 for code in codes]
 
-    def put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+    def put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
+                 pin_s: float = 0.0, replace: bool = False) -> list[bool]:
         if not keys:
             return []
-        codes = self._call("batch_put_from", self._transfer_timeout_s, lambda c: c.raw.batch_put_from(
-            list(keys), list(addresses), list(sizes), *([c.put_config] if c.put_config is not None else [])))
-        self._check(codes, len(keys), "batch_put_from")
+        what = "batch_upsert_from" if replace else "batch_put_from"
+
+        def put(c: _Client) -> list[int]:
+            if pin_s > 0:
+                options = [_put_options(self._segment_name(c), pin_s)]
+            else:
+                options = [c.put_config] if c.put_config is not None else []
+            return getattr(c.raw, what)(list(keys), list(addresses), list(sizes), *options)
+
+        codes = self._call(what, self._transfer_timeout_s, put)
+        self._check(codes, len(keys), what)
         ok = [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]  # -200 (full) and others: refused
         if self.has_disk_tier:
             self._after_put(keys, ok, refused=NO_AVAILABLE_HANDLE in codes)
@@ -204,6 +225,10 @@ class MooncakePoolStore:
     def remove(self, keys: Sequence[str]) -> None:  # force: a corrupt object goes even while leased
         if keys:
             self._call("batch_remove", self._transfer_timeout_s, lambda c: c.raw.batch_remove(list(keys), True))
+
+    @staticmethod
+    def _segment_name(client: _Client) -> str | None:
+        return client.put_config.preferred_segment if client.put_config is not None else None
 
     def own_segment(self) -> str | None:
         """The name of this client's segment, or None while it contributes none."""

@@ -23,6 +23,7 @@ class PoolStoreJob:
     request_id: str
     blocks: tuple[PoolBlock, ...]
     holds_blocks: bool
+    session: bool = False  # part of a session: pin new objects, renew held ones (session_pins)
 
 
 @dataclass

@@ -14,7 +14,8 @@ Store rule: when a request finishes normally, every full block whose KV the engi
 (prompt and generated tokens alike, `num_computed_tokens // block_size`) and that did not come
 from the pool is offered to the worker; the worker skips what the pool already holds. So
 prefill contributes prompts, decode contributes whole conversations, and the next turn's
-lookup finds its history.
+lookup finds its history. A request of a session (`kv_pool.sessions`) also offers the blocks it
+loaded, so that the worker renews their pins (`session_pins`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from kv_transfer.params import in_session
 from kv_transfer.pool.health import PoolHealth
 from kv_transfer.pool.keys import KeySpace
 from kv_transfer.pool.objects import token_digest
@@ -36,7 +38,8 @@ LOOKUP_REUSE_S = 1.0
 
 class PoolScheduler:
     def __init__(self, store: Callable[[], PoolStore], keys: KeySpace, block_size_tokens: int,
-                 health: PoolHealth, clock: Callable[[], float] = time.monotonic, reuse_s: float = LOOKUP_REUSE_S):
+                 health: PoolHealth, clock: Callable[[], float] = time.monotonic, reuse_s: float = LOOKUP_REUSE_S,
+                 sessions: bool = False):
         self._store = store  # created on first use: the engine must start even if the pool is down
         self._keys = keys
         self._block_size = block_size_tokens
@@ -46,6 +49,7 @@ class PoolScheduler:
         self._loaded: dict[str, tuple[int, int]] = {}  # request id -> (first block, blocks) read from the pool
         self._recent: dict[str, tuple[int, int, int, float]] = {}  # request id -> (first, last, hit, at_s)
         self._reuse_s = reuse_s
+        self._sessions = sessions  # kv_pool.sessions: a session's stores pin, and renew what it reused
         self.tally = LookupTally()
 
     def warm_up(self, wait_s: float) -> None:
@@ -113,11 +117,14 @@ class PoolScheduler:
         computed = int(request.num_computed_tokens) // self._block_size
         count = min(len(hashes), computed, len(block_ids))
         first, loaded = self._loaded.pop(request.request_id, (0, 0))
-        skip = set(range(first, first + loaded))
+        session = self._sessions and in_session(request.kv_transfer_params)
+        # A session's job names its loaded blocks too: the worker renews their pins (they are
+        # its history); any other request's loaded blocks are in the pool already.
+        skip = set() if session else set(range(first, first + loaded))
         blocks = tuple(self._block(request, i, block_ids[i]) for i in range(count) if i not in skip)
         if not blocks or not self._health.usable(self._clock()):
             return None
-        return PoolStoreJob(request.request_id, blocks, holds_blocks)
+        return PoolStoreJob(request.request_id, blocks, holds_blocks, session=session)
 
     def loaded(self, request_id: str, first_block: int, blocks: int) -> None:
         """Remember which blocks came from the pool (not stored again at the end)."""

@@ -48,6 +48,11 @@ class PoolSettings:
     engine writes to (kv_pool.disk.path/<application>/<engine>); "": DRAM only."""
     disk_bytes: int = 0
     """Disk this engine's tier may fill (least recently used objects dropped past it)."""
+    session_pin_s: float = 0.0
+    """kv_pool.sessions.idle_s: a session's objects are pinned in DRAM this long after its last
+    turn stored or renewed them (0: no session retention; session_pins)."""
+    session_pin_share: float = 0.5
+    """The share of this engine's segment its live pins may take (the rest stays evictable)."""
     weights_id: str = ""
     """Names the checkpoint's weights in the pool's key space instead of their files' sizes and
     mtimes (see kv_transfer.pool.keys.Checkpoint): set it (a release tag, a content hash) when
@@ -59,6 +64,9 @@ class PoolSettings:
             raise ValueError(f"kv pool max_pending_stores must be at least 1, got {self.max_pending_stores}")
         if not self.max_store_wait_s > 0:
             raise ValueError(f"kv pool max_store_wait_s must be above 0 s, got {self.max_store_wait_s}")
+        if self.session_pin_s < 0 or not 0 <= self.session_pin_share < 1:
+            raise ValueError(f"kv pool session pins: {self.session_pin_s} s and a {self.session_pin_share} share of the "
+                             "segment; need at least 0 s and a share in [0, 1)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,9 +94,13 @@ class PoolStore(Protocol):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Which keys hold a complete object now."""
 
-    def put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+    def put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
+                 pin_s: float = 0.0, replace: bool = False) -> list[bool]:
         """Store each object (immutable: a key that already exists counts as stored, unchanged).
-        Returns per key whether the pool now holds it (False: full, refused)."""
+        Returns per key whether the pool now holds it (False: full, refused). `pin_s` > 0: keep
+        it in DRAM for that long while unpinned objects are evicted first (a soft pin; stores
+        without pins ignore it). `replace`: write it even if the key exists (same bytes: that
+        renews the pin; only for objects in DRAM, see worker_tier._in_memory)."""
 
     def get_into(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read each object into its buffer: bytes read per key, or a negative number when the
@@ -97,6 +109,10 @@ class PoolStore(Protocol):
     def remove(self, keys: Sequence[str]) -> None:
         """Drop the objects (a corrupt one, so that the next store writes it afresh); missing
         keys are fine. Raises PoolUnavailable when the pool cannot be reached."""
+
+    def tiers_of(self, keys: Sequence[str]) -> list[str]:
+        """Where each object is: "memory", "disk" or "missing" (stores with a disk tier only;
+        callers check `has_disk_tier` first)."""
 
     def stats(self) -> dict[str, float]:
         """Capacity figures when the store knows them (e.g. segment_bytes); may be empty."""

@@ -29,6 +29,7 @@ from kv_transfer.pool.health import PoolHealth
 from kv_transfer.pool.keys import KeySpace
 from kv_transfer.pool.objects import HEADER_BYTES, BlockLayout, encode_header, payload_checksum, verify
 from kv_transfer.pool.records import LookupTally, PoolBlock
+from kv_transfer.pool.session_pins import SessionPins
 from kv_transfer.pool.store import PoolStore, PoolUnavailable
 
 logger = logging.getLogger(__name__)
@@ -76,13 +77,19 @@ class PoolCounts:
     store_seconds_total: float = 0.0
     stores_shed_total: int = 0  # dropped unrun: too many pending, or waited too long (StoreQueue)
     blocks_shed_total: int = 0
+    # Sessions (kv_pool.sessions): objects put or upserted with a soft pin, and of those the held
+    # objects whose pin was renewed.
+    blocks_pinned_total: int = 0
+    blocks_renewed_total: int = 0
     up: int = 1
 
 
 class PoolWorker:
     def __init__(self, store: Callable[[], PoolStore], keys: KeySpace, tp_rank: int, health: PoolHealth,
-                 staging_bytes: int, clock: Callable[[], float] = time.monotonic):
+                 staging_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 pins: SessionPins | None = None):
         self._store_factory = store
+        self._pins = pins  # None: requests of sessions are stored like any other
         self._keys = keys
         self._rank = tp_rank
         self._health = health
@@ -114,6 +121,10 @@ class PoolWorker:
                 logger.warning("kv pool: registering staging buffers failed at start (%s); retried on use", exc)
         else:
             logger.warning("kv pool: not joined after %.0f s at engine start; serving without it until it is", WARM_UP_S)
+
+    @property
+    def _pin_s(self) -> float:
+        return self._pins.pin_s if self._pins is not None else 0.0
 
     @property
     def layout(self) -> BlockLayout | None:
@@ -186,8 +197,10 @@ class PoolWorker:
 
     # -- stores ---------------------------------------------------------------------------------
 
-    def store(self, blocks: Sequence[PoolBlock]) -> int:
-        """Write the blocks the pool does not hold yet; blocks stored. Never raises."""
+    def store(self, blocks: Sequence[PoolBlock], session: bool = False) -> int:
+        """Write the blocks the pool does not hold yet; blocks stored. Never raises. `session`:
+        the request belongs to a session (pins: `session_pins`), so new objects are pinned and
+        held ones have their pins renewed, within the engine's pin budget."""
         if not blocks or not self._health.usable(self._clock()):
             return 0
         started = time.perf_counter()
@@ -196,7 +209,7 @@ class PoolWorker:
             store = self._usable_store()
             with self._staging_for("store") as (buffer, per_chunk):
                 for start in range(0, len(blocks), per_chunk):
-                    stored += self._store_chunk(store, blocks[start:start + per_chunk], buffer)
+                    stored += self._store_chunk(store, blocks[start:start + per_chunk], buffer, session)
         except PoolUnavailable as exc:
             self._down(exc)
             self._count(store_failures_total=1)
@@ -210,28 +223,66 @@ class PoolWorker:
         KV is not: see kv_transfer.pool.store_queue)."""
         self._count(stores_shed_total=1, blocks_shed_total=len(blocks))
 
-    def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: torch.Tensor) -> int:
+    def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: torch.Tensor,
+                     session: bool = False) -> int:
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
         present = store.exists(keys)
-        todo = [(i, b, k) for i, (b, k, p) in enumerate(zip(chunk, keys, present)) if not p]
-        self._count(blocks_already_pooled_total=len(chunk) - len(todo))
+        new = [(b, k) for b, k, p in zip(chunk, keys, present) if not p]
+        held = [(b, k) for b, k, p in zip(chunk, keys, present) if p]
+        self._count(blocks_already_pooled_total=len(held))
+        size = self._layout.object_bytes
+        pin_new, renew = (False,) * len(new), []
+        if session and self._pins is not None:
+            plan = self._pins.plan([k for _, k in new], [k for _, k in held], size, self._clock())
+            pin_new = plan.pin_new
+            renew = self._in_memory(store, [row for row, due in zip(held, plan.renew) if due])
+        todo = new + renew
         if not todo:
             return 0
-        size = self._layout.object_bytes
-        with self._pages.gathered([block.block_id for _, block, _ in todo]) as gathered:
+        with self._pages.gathered([block.block_id for block, _ in todo]) as gathered:
             self._payloads(buffer, len(todo)).copy_(gathered)  # each object: its header, then this
         view = memoryview(buffer.numpy())
-        base = buffer.data_ptr()
-        for slot, (_, block, key) in enumerate(todo):
+        for slot, (block, key) in enumerate(todo):
             obj = view[slot * size:(slot + 1) * size]
             payload = obj[HEADER_BYTES:]
             obj[:HEADER_BYTES] = encode_header(key, block.token_digest, self._layout, payload_checksum(payload))
-        ok = store.put_from([k for _, _, k in todo], [base + slot * size for slot in range(len(todo))],
-                            [size] * len(todo))
-        stored = sum(1 for flag in ok if flag)
-        self._count(blocks_stored_total=stored, blocks_refused_total=len(todo) - stored,
-                    bytes_stored_total=stored * self._layout.payload_bytes)
+        slots = list(range(len(todo)))
+        pinned = [slot for slot in slots[:len(new)] if pin_new[slot]]
+        unpinned = [slot for slot in slots[:len(new)] if not pin_new[slot]]
+        ok = dict(zip(unpinned, self._put(store, buffer, todo, unpinned)))
+        ok.update(zip(pinned, self._put(store, buffer, todo, pinned, pin_s=self._pin_s)))
+        renewed = slots[len(new):]
+        ok.update(zip(renewed, self._put(store, buffer, todo, renewed, pin_s=self._pin_s, replace=True)))
+        stored = sum(1 for slot in slots[:len(new)] if ok[slot])
+        now_pinned = [todo[slot][1] for slot in pinned + renewed if ok[slot]]
+        if now_pinned:
+            self._pins.pinned(now_pinned, size, self._clock())
+        self._count(blocks_stored_total=stored, blocks_refused_total=len(new) - stored,
+                    bytes_stored_total=stored * self._layout.payload_bytes,
+                    blocks_pinned_total=len(now_pinned),
+                    blocks_renewed_total=sum(1 for slot in renewed if ok[slot]))
         return stored
+
+    def _put(self, store: PoolStore, buffer: torch.Tensor, todo: list, slots: list[int], pin_s: float = 0.0,
+             replace: bool = False) -> list[bool]:
+        """Put (or upsert) the staged objects in these slots of the buffer."""
+        if not slots:
+            return []
+        size, base = self._layout.object_bytes, buffer.data_ptr()
+        keys = [todo[slot][1] for slot in slots]
+        addresses = [base + slot * size for slot in slots]
+        return store.put_from(keys, addresses, [size] * len(slots), pin_s=pin_s, replace=replace)
+
+    @staticmethod
+    def _in_memory(store: PoolStore, rows: list) -> list:
+        """The rows whose object is in DRAM now. An upsert of an object held only on disk needs
+        new room, and one refused (-200) left its key unreadable for ~30 s (Mooncake 0.3.13,
+        measured; docs/long-context.md): such objects keep their disk copy, and Mooncake
+        promotes them on their next reads. Without a disk tier a held object is in DRAM."""
+        if not rows or not getattr(store, "has_disk_tier", False):
+            return rows
+        tiers = store.tiers_of([key for _, key in rows])
+        return [row for row, tier in zip(rows, tiers) if tier == "memory"]
 
     # -- counters -------------------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ class FakePoolStore:
         self.objects: dict[str, bytes] = {}
         self.has_disk_tier = disk_tier
         self.on_disk: set[str] = set()
+        self.pins: dict[str, float] = {}  # key -> the pin_s of the put or upsert that last pinned it
+        self.upserts: list[str] = []
         self.capacity = capacity
         self.down = False
         self.calls: list[str] = []
@@ -40,15 +42,25 @@ class FakePoolStore:
         with self._lock:
             return [key in self.objects for key in keys]
 
-    def put_from(self, keys, addresses, sizes):
-        self._check("put_from")
+    def put_from(self, keys, addresses, sizes, pin_s: float = 0.0, replace: bool = False):
+        self._check("upsert_from" if replace else "put_from")
         out = []
         with self._lock:
             for key, address, size in zip(keys, addresses, sizes):
                 if key not in self.objects and self.capacity is not None and len(self.objects) >= self.capacity:
                     out.append(False)
                     continue
-                self.objects.setdefault(key, ctypes.string_at(address, size))
+                if replace:
+                    self.objects[key] = ctypes.string_at(address, size)
+                    self.upserts.append(key)
+                    self.on_disk.discard(key)
+                elif key in self.objects:
+                    out.append(True)  # immutable: held, unchanged (and its pin with it)
+                    continue
+                else:
+                    self.objects[key] = ctypes.string_at(address, size)
+                if pin_s > 0:
+                    self.pins[key] = pin_s
                 out.append(True)
         return out
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from cluster.kv_pool_service import MasterConfig  # noqa: E402
+from cluster.kv_pool_service import MasterConfig, master_binary  # noqa: E402
 from kv_transfer.pool.mooncake_store import MooncakePoolStore  # noqa: E402
 from tests.unit.test_kv_pool_mooncake_store import Master  # noqa: E402
 
@@ -143,3 +143,47 @@ def _healthy(store: MooncakePoolStore) -> bool:
         return True
     except Exception:  # noqa: BLE001 - reconnecting
         return False
+
+
+@pytest.fixture
+def pinning_master(tmp_path):
+    m = OffloadMaster(tmp_path)
+    m.config = dataclasses.replace(m.config, keep_pinned=True)  # kv_pool.sessions
+    assert "--allow_evict_soft_pinned_objects=false" in m.config.command(master_binary())
+    m.start()
+    yield m
+    m.kill()
+
+
+def test_a_live_sessions_pinned_objects_stay_in_dram_while_expired_and_unpinned_ones_move_to_disk(
+        pinning_master, tmp_path):
+    """Session retention (kv_transfer/pool/session_pins.py) on a real master: 24 objects of a
+    session are put with a short pin, which expires; 12 of them are renewed by an upsert (what a
+    turn's write-back does), then 120 unpinned objects overflow the 64-object segment. The renewed
+    stay in DRAM; the expired and the unpinned are what the master demotes to disk."""
+    store = _store(pinning_master, tmp_path, disk_mib=256)
+    session = [f"session/{i}" for i in range(24)]
+    others = [f"other/{i}" for i in range(120)]
+    data = _objects(len(session) + len(others), seed=5)
+    base = data.ctypes.data
+    try:
+        store.register_buffer(base, data.nbytes)
+        assert all(store.put_from(session, [base + i * OBJ for i in range(24)], [OBJ] * 24, pin_s=2.0))
+        time.sleep(2.5)
+        assert all(store.put_from(session[:12], [base + i * OBJ for i in range(12)], [OBJ] * 12,
+                                  pin_s=120.0, replace=True))
+        end = time.monotonic() + 60
+        for start in range(0, len(others), BATCH):
+            batch = others[start:start + BATCH]
+            addresses = [base + (24 + start + i) * OBJ for i in range(len(batch))]
+            while not all(store.put_from(batch, addresses, [OBJ] * len(batch))):
+                assert time.monotonic() < end, "puts still refused after 60 s"
+                time.sleep(0.3)
+        tiers = _until(lambda: (lambda t: t if t[12:].count("disk") >= 8 else None)(store.tiers_of(session)))
+        assert tiers is not None, store.tiers_of(session)
+        assert tiers[:12] == ["memory"] * 12, tiers
+        assert store.tiers_of(others).count("disk") >= 48
+        same, missing = _read_all(store, session, data[:24 * OBJ])
+        assert same == 24 and missing == 0
+    finally:
+        store.close()

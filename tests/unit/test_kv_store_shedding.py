@@ -27,9 +27,9 @@ PUT_S = 0.3  # each put of the slow pool: well within any store deadline, so not
 class SlowPoolStore(FakePoolStore):
     """Answers every put correctly, but slowly (a congested segment)."""
 
-    def put_from(self, keys, addresses, sizes):
+    def put_from(self, keys, addresses, sizes, pin_s: float = 0.0, replace: bool = False):
         time.sleep(PUT_S)
-        return super().put_from(keys, addresses, sizes)
+        return super().put_from(keys, addresses, sizes, pin_s, replace)
 
 
 def store_job(index: int) -> PoolStoreJob:
