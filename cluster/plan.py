@@ -227,8 +227,13 @@ def _kv_pool_line(manifest: Manifest, facts: ModelFacts | None) -> str | None:
         disk_bytes = int(engines_now * spec.disk.capacity_gib * (1 << 30))
         disk = (f"; disk tier under it: {engines_now} engine(s) x {spec.disk.capacity_gib:g} GiB at "
                 f"{spec.disk.path} = {capacity(disk_bytes)}")
-    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {engines} = {size}{disk}; "
-            f"every engine loads prefixes from it and stores what it computed")
+    sessions = ""
+    if spec.sessions is not None:
+        pinned = int(now * spec.sessions.max_pinned_share)
+        sessions = (f"; sessions (X-Session-Id) keep their history in DRAM for {spec.sessions.idle_s:g} s after "
+                    f"their last turn, pins at most {capacity(pinned)}")
+    return (f"{spec.backend} store over {spec.protocol}, master on the head node; {engines} = {size}{disk}"
+            f"{sessions}; every engine loads prefixes from it and stores what it computed")
 
 
 def _autoscaling_line(manifest: Manifest, warnings: list[str]) -> str | None:

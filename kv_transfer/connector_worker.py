@@ -291,7 +291,7 @@ class WorkerSide:
             if shed:
                 self._pool.shed(job.blocks)
             else:
-                self._pool.store(job.blocks, session=job.session)
+                self._pool.store(job.blocks, session=job.session, history_blocks=job.history_blocks)
         except Exception as exc:  # never lose the blocks' release over a pool bug
             logger.warning("kv pool: store for %s failed: %s", job.request_id, exc)
         finally:

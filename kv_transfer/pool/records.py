@@ -23,7 +23,11 @@ class PoolStoreJob:
     request_id: str
     blocks: tuple[PoolBlock, ...]
     holds_blocks: bool
-    session: bool = False  # part of a session: pin new objects, renew held ones (session_pins)
+    session: bool = False  # part of a session: pin its new objects (session_pins)
+    history_blocks: int = 0
+    """Of a session's blocks, how many lead the list as history it reused (found in the engine's
+    prefix cache or loaded from the pool): held objects among them get their pins renewed.
+    Blocks this request computed, or pulled from a prefill that stored them, are not renewed."""
 
 
 @dataclass

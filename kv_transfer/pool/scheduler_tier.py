@@ -48,6 +48,7 @@ class PoolScheduler:
         self._hits: dict[str, tuple[int, int]] = {}  # request id -> (first block, blocks) of its latest lookup
         self._loaded: dict[str, tuple[int, int]] = {}  # request id -> (first block, blocks) read from the pool
         self._recent: dict[str, tuple[int, int, int, float]] = {}  # request id -> (first, last, hit, at_s)
+        self._local: dict[str, int] = {}  # request id -> blocks its engine's prefix cache held at lookup
         self._reuse_s = reuse_s
         self._sessions = sessions  # kv_pool.sessions: a session's stores pin, and renew what it reused
         self.tally = LookupTally()
@@ -63,6 +64,8 @@ class PoolScheduler:
     def lookup(self, request: Any, local_tokens: int) -> int:
         """Full blocks after `local_tokens` that the pool holds (0 when it is unusable)."""
         first = local_tokens // self._block_size
+        if self._sessions:
+            self._local[request.request_id] = first
         hashes = list(getattr(request, "block_hashes", None) or ())
         last = min(len(hashes), len(request.prompt_token_ids or ()) // self._block_size)
         now_s = self._clock()
@@ -117,14 +120,16 @@ class PoolScheduler:
         computed = int(request.num_computed_tokens) // self._block_size
         count = min(len(hashes), computed, len(block_ids))
         first, loaded = self._loaded.pop(request.request_id, (0, 0))
+        local = self._local.pop(request.request_id, 0)
         session = self._sessions and in_session(request.kv_transfer_params)
-        # A session's job names its loaded blocks too: the worker renews their pins (they are
-        # its history); any other request's loaded blocks are in the pool already.
+        # A session's job names its loaded blocks too: the worker renews the pins of its history
+        # (what it found cached or loaded); any other request's loaded blocks are pooled already.
         skip = set() if session else set(range(first, first + loaded))
         blocks = tuple(self._block(request, i, block_ids[i]) for i in range(count) if i not in skip)
         if not blocks or not self._health.usable(self._clock()):
             return None
-        return PoolStoreJob(request.request_id, blocks, holds_blocks, session=session)
+        history = min(count, first + loaded if loaded else local) if session else 0
+        return PoolStoreJob(request.request_id, blocks, holds_blocks, session=session, history_blocks=history)
 
     def loaded(self, request_id: str, first_block: int, blocks: int) -> None:
         """Remember which blocks came from the pool (not stored again at the end)."""
@@ -139,6 +144,7 @@ class PoolScheduler:
         self._hits.pop(request_id, None)
         self._loaded.pop(request_id, None)
         self._recent.pop(request_id, None)
+        self._local.pop(request_id, None)
 
     def take_tally(self) -> LookupTally:
         tally, self.tally = self.tally, LookupTally()

@@ -197,10 +197,11 @@ class PoolWorker:
 
     # -- stores ---------------------------------------------------------------------------------
 
-    def store(self, blocks: Sequence[PoolBlock], session: bool = False) -> int:
+    def store(self, blocks: Sequence[PoolBlock], session: bool = False, history_blocks: int = 0) -> int:
         """Write the blocks the pool does not hold yet; blocks stored. Never raises. `session`:
-        the request belongs to a session (pins: `session_pins`), so new objects are pinned and
-        held ones have their pins renewed, within the engine's pin budget."""
+        the request belongs to a session (pins: `session_pins`), so its new objects are pinned
+        and the held ones among its first `history_blocks` (the history it reused) have their
+        pins renewed when due, within the engine's pin budget."""
         if not blocks or not self._health.usable(self._clock()):
             return 0
         started = time.perf_counter()
@@ -209,7 +210,8 @@ class PoolWorker:
             store = self._usable_store()
             with self._staging_for("store") as (buffer, per_chunk):
                 for start in range(0, len(blocks), per_chunk):
-                    stored += self._store_chunk(store, blocks[start:start + per_chunk], buffer, session)
+                    stored += self._store_chunk(store, blocks[start:start + per_chunk], buffer, session,
+                                                history=max(0, history_blocks - start))
         except PoolUnavailable as exc:
             self._down(exc)
             self._count(store_failures_total=1)
@@ -224,12 +226,13 @@ class PoolWorker:
         self._count(stores_shed_total=1, blocks_shed_total=len(blocks))
 
     def _store_chunk(self, store: PoolStore, chunk: Sequence[PoolBlock], buffer: torch.Tensor,
-                     session: bool = False) -> int:
+                     session: bool = False, history: int = 0) -> int:
+        """`history`: how many of the chunk's first blocks are the session's reused history."""
         keys = [self._keys.key(b.block_hash, self._rank) for b in chunk]
         present = store.exists(keys)
         new = [(b, k) for b, k, p in zip(chunk, keys, present) if not p]
-        held = [(b, k) for b, k, p in zip(chunk, keys, present) if p]
-        self._count(blocks_already_pooled_total=len(held))
+        held = [(b, k) for i, (b, k, p) in enumerate(zip(chunk, keys, present)) if p and i < history]
+        self._count(blocks_already_pooled_total=sum(present))
         size = self._layout.object_bytes
         pin_new, renew = (False,) * len(new), []
         if session and self._pins is not None:

@@ -38,6 +38,7 @@ MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "local-long-conte
 APP = "long-test"
 BLOCK = 128  # vLLM's CPU block size
 HISTORY_TOKENS = 32_000  # 250 full blocks
+SESSION = "long-context-conversation"
 VOCAB = 600  # the tiny tokenizer's ordinary tokens (ids 615+ are its special tokens)
 
 
@@ -67,6 +68,9 @@ def _manifest() -> dict:
         # nodes advertise (the EP module leaves two decode groups), and Ray would never place a
         # replica asking for one; the engines share the machine's cores either way.
         pool["placement"]["num_cpus"] = 0
+    # Pins that are past half their window by the second turn (turn 1 takes minutes), so that
+    # turn 2 renews the history it reuses, as a session's turn after a long think time does.
+    data["kv_pool"]["sessions"]["idle_s"] = 40
     return data
 
 
@@ -131,8 +135,9 @@ class LongApp:
         return most
 
     def complete(self, token_ids: list[int]) -> tuple[list[int], float, str]:
+        """One turn of the conversation (its session: X-Session-Id, so the pool pins its KV)."""
         started = time.monotonic()
-        response = httpx.post(f"{self.base_url}/v1/completions", timeout=900, json={
+        response = httpx.post(f"{self.base_url}/v1/completions", timeout=900, headers={"X-Session-Id": SESSION}, json={
             "model": self.stack.model, "prompt": token_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True})
         assert response.status_code == 200, response.text[:2000]
@@ -208,6 +213,8 @@ def test_a_32k_prompt_through_pd_and_the_pool_is_token_identical_and_streams_kee
     assert from_prefill + from_pool >= full_blocks - 1
     assert _delta(d, bd, "pulls_failed_total") == 0 and _delta(d, bd, "fallbacks_total") == 0
     assert _delta(p, bp, "pool_blocks_stored_total") >= full_blocks - 1  # the history is in the pool
+    # ... pinned in DRAM for the session (kv_pool.sessions): prefill stored it with its pins.
+    assert _delta(p, bp, "pool_blocks_pinned_total") >= full_blocks - 1
 
     assert gaps, "no short stream finished while the long prompt was served"
     itl_s = long_app.manifest["slo"]["itl_ms"] / 1000
@@ -239,6 +246,12 @@ def test_the_next_turn_loads_its_32k_history_from_the_pool(long_app, reference):
     assert hits == _delta(p, bp, "pool_blocks_loaded_total") >= full_blocks
     assert _delta(d, bd, "pool_blocks_loaded_total") >= full_blocks
     assert _delta(p, bp, "pool_load_failures_total") == 0 and _delta(d, bd, "pool_load_failures_total") == 0
+    # The session's turn renewed its history's pins (an upsert of what it loaded): decode knew
+    # none of the pins prefill had set, prefill's own had run past half their 40 s by now.
+    renewed = _delta(d, bd, "pool_blocks_renewed_total") + _delta(p, bp, "pool_blocks_renewed_total")
+    _log(f"turn 2 renewed the pins of {renewed:.0f} history blocks (decode "
+         f"{_delta(d, bd, 'pool_blocks_renewed_total'):.0f})")
+    assert _delta(d, bd, "pool_blocks_renewed_total") >= full_blocks
     # The reads are a phase of the request's own timing (pool_disk_load beside it when the disk
     # tier served some: not here, the history fits the pool's memory).
     assert "pool_load;dur=" in timing, timing

@@ -358,7 +358,7 @@ def test_the_release_of_a_stored_request_waits_for_its_store(store, monkeypatch)
     gate = threading.Event()
     pool = worker(store)
     real_store = pool.store
-    monkeypatch.setattr(pool, "store", lambda blocks, session=False: (gate.wait(5), real_store(blocks, session))[1])
+    monkeypatch.setattr(pool, "store", lambda blocks, **kw: (gate.wait(5), real_store(blocks, **kw))[1])
     from tests.unit.test_kv_connector_worker import free_port
 
     side = WorkerSide(ConnectorSettings(port=free_port()), pool=pool)

@@ -69,20 +69,26 @@ def test_the_session_flag_reaches_the_engine_only_from_our_engine_server():
     assert not in_session({SESSION_KEY: "yes"}) and not in_session(None)
 
 
-def test_a_session_store_job_names_its_loaded_history_for_renewal():
+def test_a_session_store_job_names_its_reused_history_for_renewal():
     store = FakePoolStore()
     tier = PoolScheduler(lambda: store, KEYS, BS, PoolHealth(10), Clock(), sessions=True)
+    # One block in the engine's own prefix cache, two more loaded from the pool, one computed.
     req = request(prompt_len=70, num_computed_tokens=70, kv_transfer_params={SESSION_KEY: True})
-    pooled(store, req, range(2))
-    assert tier.lookup(req, 0) == 2
-    tier.loaded(req.request_id, 0, 2)
+    pooled(store, req, range(3))
+    assert tier.lookup(req, BS) == 2
+    tier.loaded(req.request_id, 1, 2)
     job = tier.store_job(req, [10, 11, 12, 13], holds_blocks=True)
-    assert job.session and [b.block_id for b in job.blocks] == [10, 11, 12, 13]
+    assert job.session and job.history_blocks == 3 and [b.block_id for b in job.blocks] == [10, 11, 12, 13]
+    # History found in the engine's prefix cache alone is history too.
+    cached = request("r-3", prompt_len=70, num_computed_tokens=70, kv_transfer_params={SESSION_KEY: True})
+    tier.lookup(cached, 2 * BS)
+    job = tier.store_job(cached, [10, 11, 12, 13], holds_blocks=True)
+    assert job.session and job.history_blocks == 2
     # Without a session (or with retention off) the loaded blocks are not offered again.
     other = request("r-2", prompt_len=70, num_computed_tokens=70)
     tier.loaded(other.request_id, 0, 2)
     job = tier.store_job(other, [10, 11, 12, 13], holds_blocks=True)
-    assert not job.session and [b.block_id for b in job.blocks] == [12, 13]
+    assert not job.session and job.history_blocks == 0 and [b.block_id for b in job.blocks] == [12, 13]
     off = PoolScheduler(lambda: store, KEYS, BS, PoolHealth(10), Clock())
     off.loaded(req.request_id, 0, 2)
     job = off.store_job(req, [10, 11, 12, 13], holds_blocks=True)
@@ -106,13 +112,26 @@ def test_a_session_store_pins_new_objects_and_renews_its_history_when_due():
     # The next turn, soon after: its history's pins have most of their window left.
     assert engine.store(blocks_of(req, [0, 1, 2, 3, 4]), session=True) == 2
     assert not store.upserts and set(store.pins) == set(keys)
-    # A turn after half the window: the history is rewritten pinned (upsert), once.
+    # A turn after half the window: its reused history is rewritten pinned (upsert), once.
     clock.now_s += 31
-    engine.store(blocks_of(req, [0, 1, 2, 3, 4]), session=True)
-    assert sorted(store.upserts) == sorted(keys)
+    engine.store(blocks_of(req, [0, 1, 2, 3, 4]), session=True, history_blocks=4)
+    assert sorted(store.upserts) == sorted(keys[:4])
+    engine.store(blocks_of(req, [0, 1, 2, 3, 4]), session=True, history_blocks=5)
+    assert sorted(store.upserts) == sorted(keys)  # the fifth is due too; the four renewed are not
     counts = engine.snapshot()
     assert counts["pool_blocks_pinned_total"] == 10 and counts["pool_blocks_renewed_total"] == 5
     assert counts["pool_blocks_stored_total"] == 5  # renewals are not new objects
+
+
+def test_blocks_another_engine_just_stored_for_this_request_are_not_rewritten():
+    """P/D: prefill stores (and pins) the prompt; decode pulls it and stores the same blocks.
+    They are not decode's reused history, so decode does not upsert them again."""
+    store, clock = FakePoolStore(), Clock()
+    prefill, decode = _worker(store, clock), _worker(store, clock)
+    req = request(prompt_len=64)
+    assert prefill.store(blocks_of(req, [0, 1, 2, 3]), session=True) == 4
+    assert decode.store(blocks_of(req, [0, 1, 2, 3]), session=True, history_blocks=0) == 0
+    assert not store.upserts and decode.snapshot()["pool_blocks_already_pooled_total"] == 4
 
 
 def test_a_request_outside_sessions_pins_nothing_and_the_budget_bounds_pins():
@@ -135,5 +154,5 @@ def test_a_held_object_only_on_disk_is_never_upserted():
     keys = [KEYS.key(h, 0) for h in req.block_hashes]
     store.on_disk = {keys[0]}
     clock.now_s += 45
-    engine.store(blocks_of(req, [0, 1, 2]), session=True)
+    engine.store(blocks_of(req, [0, 1, 2]), session=True, history_blocks=3)
     assert sorted(store.upserts) == sorted(keys[1:])
