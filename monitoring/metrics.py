@@ -85,6 +85,11 @@ GENERATION_TOKENS = MetricDef("moe_serve_generation_tokens_total", Kind.counter,
 PROMPT_CACHED_TOKENS = MetricDef("moe_serve_prompt_cached_tokens_total", Kind.counter,
                                  "Prompt tokens of served requests the engines did not compute (prefix cache, "
                                  "KV pool; in P/D the prefill's count): the cache hits routing aims for.", ("route",))
+PROMPT_REUSE_RATIO = MetricDef("moe_serve_prompt_reuse_ratio", Kind.histogram,
+                               "Per served request: the share of its prompt the engines did not compute "
+                               "(prefix cache, KV pool). session: whether it named its session (X-Session-Id), "
+                               "so a session's later turns show how much of their history was reused.",
+                               ("route", "session"), (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0))
 ROUTING_DECISIONS = MetricDef("moe_serve_routing_decisions_total", Kind.counter,
                               "Replica choices of our request routers, by pool, policy and reason (prefix, "
                               "load_gate, session, least_loaded, pool_prefix, round_robin, only_replica).",
@@ -178,7 +183,7 @@ AUTOSCALER_LAST_DECISION = MetricDef("moe_serve_autoscaler_last_decision_timesta
 
 CATALOGUE: tuple[MetricDef, ...] = (
     REQUESTS, REQUEST_TIMEOUTS, REQUEST_E2E, REQUEST_PHASE, REQUEST_TIME, REQUEST_PHASE_TIME, TTFT, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, SLO_MET,
-    PROMPT_CACHED_TOKENS, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS, INGRESS_ADMITTED,
+    PROMPT_CACHED_TOKENS, PROMPT_REUSE_RATIO, ROUTING_DECISIONS, ROUTING_PROMPT_BLOCKS, INGRESS_ADMITTED,
     ENGINE_IN_FLIGHT, ENGINE_WAITING, ENGINE_KV_USAGE, ROUTED_REQUESTS, GROUP_FAILURES, EXPERT_TOKENS,
     KV_PULLS, KV_PULL_SECONDS, KV_PULLED_BYTES, KV_FALLBACKS, KV_LEASES_OUTSTANDING, KV_LEASES_EXPIRED,
     KV_SERVER_REFUSALS,

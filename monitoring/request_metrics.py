@@ -30,6 +30,7 @@ class RequestTrace:
     engine_pool_disk_s: float = 0.0  # of engine_pool_load_s: what the pool's disk tier served
     prefill_pool_disk_s: float = 0.0  # of prefill_pool_load_s: what the pool's disk tier served
     cached_tokens: int | None = None  # prompt tokens not computed (the first delta's count)
+    in_session: bool = False  # the request named its session (X-Session-Id)
     phases: dict = field(default_factory=dict)
 
     def dispatch(self) -> None:
@@ -70,8 +71,8 @@ class RequestMetrics:
         label set of a gauge)."""
         self._exporter.set(m.INGRESS_ADMITTED, in_flight, replica=str(os.getpid()))
 
-    def start(self, route: str) -> RequestTrace:
-        return RequestTrace(route=route, received=time.monotonic())
+    def start(self, route: str, in_session: bool = False) -> RequestTrace:
+        return RequestTrace(route=route, received=time.monotonic(), in_session=in_session)
 
     def failed(self, trace: RequestTrace, outcome: str, wait: str | None = None) -> None:
         """`wait`: for outcome "timeout", the wait that expired (prefill, first_token, ...)."""
@@ -106,6 +107,9 @@ class RequestMetrics:
                 exporter.inc(m.REQUEST_PHASE_TIME, seconds, phase=phase.value)
             exporter.inc(m.PROMPT_TOKENS, trace.prompt_tokens, route=route)
             exporter.inc(m.PROMPT_CACHED_TOKENS, trace.cached_tokens or 0, route=route)
+            if trace.prompt_tokens:
+                exporter.observe(m.PROMPT_REUSE_RATIO, min(1.0, (trace.cached_tokens or 0) / trace.prompt_tokens),
+                                 route=route, session="yes" if trace.in_session else "no")
             exporter.inc(m.GENERATION_TOKENS, trace.completion_tokens, route=route)
             if ttft <= self._ttft_slo_s and (tpot is None or tpot <= self._itl_slo_s):
                 exporter.inc(m.SLO_MET, route=route)

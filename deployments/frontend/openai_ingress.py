@@ -120,7 +120,8 @@ class OpenAIIngress:
         handler = self._routes.get(key)
         if handler is None and request.method == "GET" and key[1].startswith("/v1/models/"):
             handler = self._model
-        trace = self._metrics.start(GENERATION_ROUTES[key]) if key in GENERATION_ROUTES else None
+        trace = (self._metrics.start(GENERATION_ROUTES[key], in_session=bool(request.headers.get(SESSION_HEADER)))
+                 if key in GENERATION_ROUTES else None)
         try:
             if self._api_keys is not None and key[1] not in OPEN_PATHS:
                 if not self._api_keys.allows(request.headers.get("authorization")):

@@ -54,7 +54,8 @@ def test_catalogue_names_follow_prometheus_conventions():
         assert metric.name.startswith("moe_serve_")
         assert metric.name.endswith("_total") == (metric.kind is Kind.counter), metric.name
         if metric.kind is Kind.histogram:
-            assert metric.name.endswith("_seconds") and list(metric.buckets) == sorted(metric.buckets)
+            # A unit in the name: seconds, or a ratio (a share between 0 and 1).
+            assert metric.name.endswith(("_seconds", "_ratio")) and list(metric.buckets) == sorted(metric.buckets)
             assert exposed_names(metric)[0].endswith("_bucket")
         assert "request_id" not in metric.labels  # unbounded label sets are forbidden
     # Ray exports a counter also as a gauge under its name without `_total`: that name must not
@@ -81,6 +82,17 @@ def test_a_served_request_records_outcome_latencies_phases_and_tokens():
     assert backend.values("moe_serve_generation_tokens", route="completions") == [2]
     assert len(backend.values("moe_serve_time_to_first_token_seconds")) == 1
     assert len(backend.values("moe_serve_time_per_output_token_seconds")) == 1
+
+
+def test_each_request_records_the_share_of_its_prompt_it_reused_by_whether_it_named_its_session():
+    backend = FakeMetricsBackend()
+    cached = [TokenDelta("Hi", [10], None, 8, 1, cached_tokens=6), TokenDelta(" there", [11], "length", 8, 2)]
+    client, _ = make_client(FakeEngine(script=cached), backend)
+    body = {"model": MODEL["name"], "prompt": "hello", "max_tokens": 2}
+    assert client.post("/v1/completions", json=body, headers={"X-Session-Id": "agent-1"}).status_code == 200
+    assert backend.values("moe_serve_prompt_reuse_ratio", session="yes") == [0.75]
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert backend.values("moe_serve_prompt_reuse_ratio", session="no") == [0.75]
 
 
 def test_bad_requests_and_streams_count_their_outcome():
