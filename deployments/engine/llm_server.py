@@ -191,10 +191,11 @@ class LLMServer:
         from kv_transfer.params import handed_over, is_transfer
 
         started = time.monotonic()
-        # The same salt as decode's request: the blocks hash (and are cached and pooled) alike.
+        # The same salt as decode's request: the blocks hash (and are cached and pooled) alike;
+        # the same session: the pool pins what prefill stores of it.
         prefill_request = EngineRequest(request.request_id, request.prompt_token_ids,
                                         SamplingSpec(max_tokens=1, temperature=0.0), produce_kv=True,
-                                        cache_salt=request.cache_salt)
+                                        cache_salt=request.cache_salt, session_id=request.session_id)
         final = None
         cached_tokens = 0
         limit_s = self._timeouts.for_prompt(len(request.prompt_token_ids)).prefill_timeout_s

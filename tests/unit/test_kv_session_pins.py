@@ -156,3 +156,39 @@ def test_a_held_object_only_on_disk_is_never_upserted():
     clock.now_s += 45
     engine.store(blocks_of(req, [0, 1, 2]), session=True, history_blocks=3)
     assert sorted(store.upserts) == sorted(keys[1:])
+
+
+def test_a_prefill_replica_asks_its_engine_under_the_clients_session():
+    """P/D: prefill stores the prompt's blocks first, so its engine request must name the session
+    too, or the history a session's first turn computes is stored unpinned."""
+    import asyncio
+
+    from deployments.engine.llm_server import LLMServer
+    from deployments.records import EngineRequest, SamplingSpec, TokenDelta
+
+    class Recording:
+        max_model_len = 2048
+
+        def __init__(self):
+            self.requests = []
+
+        async def generate(self, request):
+            self.requests.append(request)
+            yield TokenDelta("a", [1], "length", 3, 1)
+
+        async def abort(self, request_id):
+            pass
+
+        def unfinished_requests(self):
+            return 0
+
+        def shutdown(self):
+            pass
+
+    engine = Recording()
+    server = LLMServer({"name": "m", "max_model_len": 2048}, {"stream_interval_ms": 0}, "/ckpt",
+                       engine_factory=lambda *a, **k: engine, metrics=False)
+    asyncio.run(server.prefill(EngineRequest("p-1", [1, 2, 3], SamplingSpec(max_tokens=4), session_id="agent-7",
+                                             cache_salt="tenant-1")))
+    (asked,) = engine.requests
+    assert asked.produce_kv and asked.session_id == "agent-7" and asked.cache_salt == "tenant-1"
