@@ -217,7 +217,8 @@ def main() -> int:
     parser.add_argument("--think-s", type=float, default=4.0)
     parser.add_argument("--stagger-s", type=float, default=2.0, help="between session starts")
     parser.add_argument("--max-model-len", type=int, default=16384)
-    parser.add_argument("--engine-blocks", type=int, default=128, help="each engine's KV cap (blocks of 128 tokens)")
+    parser.add_argument("--engine-blocks", type=int, default=132,
+                        help="each engine's KV cap (blocks of 128 tokens; vLLM wants one block beyond max_model_len)")
     parser.add_argument("--segment-mib", type=int, default=96, help="the DRAM pool (one engine's segment)")
     parser.add_argument("--disk-gib", type=float, default=2.0)
     parser.add_argument("--session-idle-s", type=float, default=120.0)
