@@ -145,7 +145,7 @@ def main() -> int:
     ratios = {k: (ours[k] / base[k] if base[k] else float("nan")) for k in base if k != "failed"}
     print(f"\ntrace: {args.num_requests} requests, Poisson {args.rate} req/s, prompt ~{args.prompt_tokens} words, "
           f"{args.output_tokens} output tokens; {args.rounds} rounds, median shown\n")
-    header = f"| metric | direct vLLM | moe-serve endpoint | endpoint / direct |\n|---|---:|---:|---:|"
+    header = "| metric | direct vLLM | moe-serve endpoint | endpoint / direct |\n|---|---:|---:|---:|"
     rows = [f"| {k} | {base[k]:.1f} | {ours[k]:.1f} | {ratios.get(k, float('nan')):.3f} |" for k in base]
     print(header + "\n" + "\n".join(rows))
     print("\nlast round, full summaries:\n" + format_table([(k, v[-1]) for k, v in per_round.items()]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cluster.errors import ManifestError, ManifestIssue
 from cluster.manifest_autoscaling import AutoscalingSpec, PoolAutoscalingSpec, autoscaling_issues
@@ -72,10 +72,11 @@ class ModelSpec(_Strict):
 
     @field_validator("tool_parser", "reasoning_parser")
     @classmethod
-    def _known_parser(cls, value: str | None, info) -> str | None:
+    def _known_parser(cls, value: str | None, info: ValidationInfo) -> str | None:
         from cluster.vllm_parsers import unknown_parser
 
-        problem = None if value is None else unknown_parser(info.field_name.split("_")[0], value)
+        kind = "tool" if info.field_name == "tool_parser" else "reasoning"
+        problem = None if value is None else unknown_parser(kind, value)
         if problem:
             raise ValueError(problem)
         return value

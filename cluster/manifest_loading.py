@@ -7,12 +7,15 @@ the value they wrote and what to do. The schema's field docstrings supply the "w
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from cluster.errors import ManifestError, ManifestIssue
+
+if TYPE_CHECKING:
+    from cluster.manifest import Manifest
 
 # cluster.manifest re-exports this module's functions, so its names are imported where used.
 

@@ -53,13 +53,13 @@ class TokenDelta:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     prompt_tokens: int
     completion_tokens: int  # cumulative
-    kv_transfer_params: dict | None = None  # prefill: set on the final delta (TransferParams)
+    kv_transfer_params: dict[str, Any] | None = None  # prefill: set on the final delta (TransferParams)
     engine_timing: "EngineTiming | None" = None  # on the first delta (when the engine logs stats)
     kv_load: LoadTiming | None = None  # on the final delta, when the engine loaded KV it did not compute
     cached_tokens: int | None = None  # on the first delta: prompt tokens not computed (prefix cache, pool, peer)
     # When the request asked for logprobs: per token (token_id, logprob, rank, top) with top a list
     # of (token_id, logprob, rank), as vLLM's token-in/token-out server reports them.
-    logprobs: list | None = None
+    logprobs: list[Any] | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended the request
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
@@ -130,8 +130,8 @@ class ServerStats:
     abandoned_prefills_total: int = 0  # prefills whose caller left; their leases were released
     in_flight_request_ids: list[str] = field(default_factory=list)
     engine_unfinished_requests: int = 0  # requests the vLLM engine itself still tracks
-    kv_transfer: dict = field(default_factory=dict)  # the connector's counters (disaggregated pools)
+    kv_transfer: dict[str, Any] = field(default_factory=dict)  # the connector's counters (disaggregated pools)
     # Expert-parallel groups: the group's totals above, each rank's own stats here.
     ranks: list["ServerStats"] = field(default_factory=list)
-    routed_tokens_per_expert: dict = field(default_factory=dict)  # global expert id -> tokens
+    routed_tokens_per_expert: dict[int, int] = field(default_factory=dict)  # global expert id -> tokens
     process_id: int = 0

@@ -41,7 +41,7 @@ class RequestTimeouts:
     prefill_s_per_1k_tokens: float = 0.0
 
     @classmethod
-    def of(cls, values: dict | None) -> "RequestTimeouts":
+    def of(cls, values: dict[str, float] | None) -> "RequestTimeouts":
         """From the builder's dict; None: the CPU defaults (deployments built outside the builder)."""
         if values is None:
             from cluster.manifest_timeouts import DEFAULTS
@@ -59,7 +59,7 @@ class RequestTimeouts:
                        first_token_timeout_s=self.first_token_timeout_s + extra_s)
 
     def limit_s(self, wait: str) -> float:
-        return getattr(self, WAITS[wait][1])
+        return float(getattr(self, WAITS[wait][1]))
 
 
 def wait_expired(wait: str, limit_s: float) -> WaitExpired:
@@ -99,8 +99,8 @@ class StreamDeadlines:
         return wait_expired(wait, self.timeouts.limit_s(wait))
 
 
-async def bounded(stream: AsyncIterator, timeouts: RequestTimeouts,
-                  clock: Callable[[], float] = time.monotonic) -> AsyncIterator:
+async def bounded(stream: AsyncIterator[Any], timeouts: RequestTimeouts,
+                  clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Any]:
     """`stream`'s items, ended by a WaitExpired value (the stream closed) when a bound expires."""
     deadlines = StreamDeadlines(timeouts, clock())
     items = stream.__aiter__()
@@ -122,7 +122,7 @@ async def bounded(stream: AsyncIterator, timeouts: RequestTimeouts,
             await aclose()
 
 
-async def result_within(task: asyncio.Future, timeout_s: float) -> bool:
+async def result_within(task: asyncio.Future[Any], timeout_s: float) -> bool:
     """Wait for `task` at most `timeout_s` without cancelling it; whether it is done."""
     done, _ = await asyncio.wait({task}, timeout=max(timeout_s, 0.0))
     return bool(done)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from kv_transfer.grants import GrantScope
 
 PRODUCE_KEY = "do_remote_decode"  # prefill: keep the blocks and return TransferParams
 CONSUME_KEY = "do_remote_prefill"  # decode: pull the blocks named by the params
@@ -84,7 +87,7 @@ class TransferParams:
                                         f"{len(record.remote_block_ids)} blocks hold")
         return record
 
-    def grant_scope(self):
+    def grant_scope(self) -> "GrantScope":
         """What the grant must have been signed over (kv_transfer.grants.GrantScope)."""
         from kv_transfer.grants import GrantScope
 
@@ -121,7 +124,10 @@ MAX_BLOCKS = 1 << 22  # far above any engine's block count; bounds the work of o
 MAX_TP_SIZE = 64  # the manifest's bound on engine.tensor_parallel_size
 
 
-def _required(check):
+_Check = Callable[[Any, str], Any]  # (value as received, field name) -> the value, or InvalidTransferParams
+
+
+def _required(check: _Check) -> _Check:
     def checked(value: Any, name: str) -> Any:
         if value is _MISSING:
             raise InvalidTransferParams(f"kv_transfer_params.{name} is missing")
@@ -129,7 +135,7 @@ def _required(check):
     return checked
 
 
-def _optional(check, default: Any = _MISSING):
+def _optional(check: _Check, default: Any = _MISSING) -> _Check:
     def checked(value: Any, name: str) -> Any:
         if value is _MISSING:
             return default
@@ -144,7 +150,7 @@ def _text(value: Any, name: str) -> str:
     return value
 
 
-def _int_in(low: int, high: int):
+def _int_in(low: int, high: int) -> Callable[[Any, str], int]:
     def check(value: Any, name: str) -> int:
         # bool is an int in Python; JSON's true is not a port or a count.
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -240,7 +246,7 @@ class LoadTiming:
 
 def is_transfer(params: dict[str, Any] | None) -> bool:
     """Whether a finished prefill's kv_transfer_params name leased blocks (not only a timing)."""
-    return bool(params) and "remote_block_ids" in params
+    return params is not None and "remote_block_ids" in params
 
 
 def in_session(params: Any) -> bool:

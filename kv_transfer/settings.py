@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kv_transfer.grants import EngineGrants, GrantKey
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,13 @@ class ConnectorSettings:
     def rank_ports(self) -> range:
         return range(self.port, self.port + self.tp_size)
 
-    def grant_key(self):
+    def grant_key(self) -> "GrantKey | None":
         """The GrantKey of `grant_secret`, or None without one (no KV is then lent or pulled)."""
         from kv_transfer.grants import GrantKey
 
         return GrantKey(self.grant_secret) if self.grant_secret else None
 
-    def engine_grants(self):
+    def engine_grants(self) -> "EngineGrants | None":
         """This engine's check of the grants presented to its transfer server (None: no secret)."""
         from kv_transfer.grants import EngineGrants
 

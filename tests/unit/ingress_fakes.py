@@ -6,7 +6,6 @@ derender) is the real one, on the tiny checkpoint."""
 
 import asyncio
 import functools
-import inspect
 import json
 from typing import Any
 from collections.abc import AsyncIterator
@@ -17,8 +16,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from deployments.engine_client import HandleEngineClient
-from deployments.frontend.openai_ingress import HEALTH_TIMEOUT_S, OpenAIIngress
+from deployments.frontend.openai_ingress import OpenAIIngress
 from deployments.records import EngineFailure, EngineRequest, TokenDelta
 from deployments.frontend.tokenizer import PromptTokenizer
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import yaml
 
 from autoscaler import serve_loop

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from cluster.kv_pool_service import MasterConfig, master_binary  # noqa: E402
+from cluster.kv_pool_service import master_binary  # noqa: E402
 from kv_transfer.pool.mooncake_store import MooncakePoolStore  # noqa: E402
 from tests.unit.test_kv_pool_mooncake_store import Master  # noqa: E402
 

@@ -24,7 +24,7 @@ from kv_transfer.rank_stats import merge_rank_stats
 from kv_transfer.releaser import BackgroundReleaser
 from kv_transfer.settings import ConnectorSettings
 from tests.unit.kv_grant_fakes import SECRET, signed
-from tests.unit.test_kv_connector_worker import BLOCKS, HOST, LAYERS, PAGE_BYTES, BytePages, Side, collect
+from tests.unit.test_kv_connector_worker import HOST, LAYERS, PAGE_BYTES, BytePages, Side, collect
 
 TP = 2
 

@@ -1,17 +1,14 @@
 """The OpenAI ingress over HTTP (Starlette TestClient): routes, request handling, errors."""
 
-import asyncio
 import inspect
 import json
 
 import pytest
 
 from deployments.engine_client import HandleEngineClient
-from deployments.frontend.openai_ingress import OpenAIIngress
-from deployments.records import EngineFailure, EngineRequest, TokenDelta
-from deployments.frontend.tokenizer import PromptTokenizer
-from tests.unit.ingress_fakes import *  # noqa: F403 (fakes, helpers and the engine/client fixtures)
-from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures, named for linters)
+from deployments.frontend.openai_ingress import HEALTH_TIMEOUT_S
+from tests.unit.ingress_fakes import HELLO, HTTP, MAX_MODEL_LEN, FakeEngine, assert_error, make_client, tokenizer
+from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures)
 
 def test_fakes_have_the_real_interfaces():
     def params(fn):

@@ -1,17 +1,18 @@
 """The OpenAI ingress over HTTP: streaming, engine failures and client disconnects."""
 
 import asyncio
-import inspect
 import json
 
 import pytest
 
-from deployments.engine_client import HandleEngineClient
 from deployments.frontend.responses import ResponseContext
 from deployments.frontend.openai_ingress import OpenAIIngress, _merged
 from deployments.records import EngineFailure, EngineRequest, TokenDelta
-from deployments.frontend.tokenizer import PromptTokenizer
-from tests.unit.ingress_fakes import *  # noqa: F403 (fakes, helpers and the engine/client fixtures)
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from tests.unit.ingress_fakes import (BLOCK, HELLO, HTTP, MODEL, FakeEngine, assert_error, deltas, front_end,
+                                      make_client, sse_events, tokenizer)
 from tests.unit.ingress_fakes import client, engine  # noqa: F401 (fixtures, named for linters)
 
 # -- streaming --------------------------------------------------------------------------------
