@@ -47,20 +47,29 @@ class Stack:
     cluster: object = None  # the session's LocalCluster (the last module removes a node)
 
 
-# Modules that run late (before the CLI lifecycle module, which tears clusters down): each is
-# long and checks the budget left before it starts (tests/conftest.py), so on a slow machine it
-# is skipped with the reason rather than pushing the modules after it past the budget.
-LATE_MODULES = ("test_long_context_stack.py",)
-LAST_MODULE = "test_zzzzz_cli_lifecycle.py"
+# The order of the integration modules. They share one cluster and one application (the
+# `stack` fixture); the modules named here change it (kill replicas, restart the pool's master,
+# stop Prometheus, tear clusters down) or read what all the others left, so they run after every
+# other module, in this order. The others run first, in file-name order, and need the cluster whole.
+RUN_LAST = (
+    "test_expert_group_failure.py",      # kills an expert-parallel rank; its group is replaced
+    "test_prefill_failure.py",           # kills a prefill replica mid-prefill
+    "test_mooncake_and_fail_policy.py",  # Mooncake transport, and the fail policy on a broken pull
+    "test_observability.py",             # every dashboard query has data: needs the series all the above made
+    "test_autoscaler_stack.py",          # stops and restarts the session's Prometheus
+    "test_long_context_stack.py",        # long: checks the budget left before it starts (tests/conftest.py)
+    "test_cli_lifecycle.py",             # tears clusters down: last
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    late = [item for item in items if item.path.name in LATE_MODULES]
-    if not late:
-        return
-    rest = [item for item in items if item.path.name not in LATE_MODULES]
-    at = next((i for i, item in enumerate(rest) if item.path.name == LAST_MODULE), len(rest))
-    items[:] = rest[:at] + late + rest[at:]
+    here = Path(__file__).parent
+    missing = [name for name in RUN_LAST if not (here / name).exists()]
+    if missing:
+        raise pytest.UsageError(f"tests/integration/conftest.py RUN_LAST names modules that do not exist: {missing}")
+    rank = {name: index + 1 for index, name in enumerate(RUN_LAST)}
+    # Stable: within a module, and among the modules that run first, collection order stays.
+    items.sort(key=lambda item: rank.get(item.path.name, 0) if item.path.parent == here else 0)
 
 
 def _log(message: str) -> None:

@@ -96,7 +96,7 @@ def test_every_dashboard_and_alert_query_returns_data(stack, observed):
     from monitoring.queries import ALL, AUTOSCALER, GROUP_FAILURES, KV_POOL_DOWN
 
     # The autoscaler's series exist only while an autoscaling manifest runs: the autoscaler
-    # module (test_zzzz_autoscaler_stack.py) checks those expressions.
+    # module (test_autoscaler_stack.py) checks those expressions.
     later = {query.expr for query in AUTOSCALER}
     # The pool's health gauge exists only while an application with a KV pool runs (the
     # session's default application has none): test_kv_pool_stack.py checks that query.

@@ -24,7 +24,7 @@ from tests.integration.conftest import deploy_test_app
 from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 # Extended tier (docs/testing.md): ~11 minutes of CI (two groups redeployed, one replaced). The
-# default tier proves the failure path on the prefill side (test_zx_prefill_failure.py) and a
+# default tier proves the failure path on the prefill side (test_prefill_failure.py) and a
 # rank's death failing its group's requests fast in tests/unit/test_expert_group.py.
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
@@ -195,7 +195,7 @@ def test_killing_one_rank_restarts_its_group_while_the_other_keeps_serving(two_g
     assert _prefill_leases(stack)[1] == expired_before, "a prefill lease was left to expire"
 
     # The broken group is on the experts dashboard's panel and in its alert's query (this is the
-    # test that breaks one: test_zzz_observability.py leaves that query to it).
+    # test that breaks one: test_observability.py leaves that query to it).
     from monitoring.prometheus_api import PrometheusAPI
     from monitoring.queries import GROUP_FAILURES
 
