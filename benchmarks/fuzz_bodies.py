@@ -146,7 +146,7 @@ def _pick_fields(names: list[str], count: int, rng: random.Random) -> list[str]:
 
 def known_fields(route: str) -> frozenset[str]:
     """The top-level fields vLLM's request model for a generation route declares (the tables
-    cover exactly those; tests/unit/test_fuzz_bodies.py checks it against vLLM)."""
+    cover exactly those; tests/unit/benchmarks/test_fuzz_bodies.py checks it against vLLM)."""
     return frozenset({**COMMON_FIELDS, **(CHAT_FIELDS if route == CHAT else COMPLETION_FIELDS)})
 
 

@@ -2,7 +2,7 @@
 one that does not exist fails at load with the list, not minutes later when the ingress starts.
 
 Kept here rather than read from vLLM because importing vLLM's parser registries costs seconds
-that `moe-serve plan`, `build` and `deploy` do not otherwise pay. tests/unit/test_vllm_parsers.py
+that `moe-serve plan`, `build` and `deploy` do not otherwise pay. tests/unit/cluster/test_vllm_parsers.py
 compares these lists with the installed vLLM's registries: upgrading vLLM updates them.
 """
 

@@ -3,7 +3,7 @@
 EngineServer: what one replica of an engine pool is, whatever it holds: LLMServer (one vLLM
 engine) or ExpertParallelGroup (N ranks). EngineClient: what the ingress streams from, whatever
 stands behind it: a pool's Serve handle (HandleEngineClient), the disaggregated prefill-then-
-decode client (DisaggregatedEngineClient), or a test's fake. tests/unit/test_engine_protocols.py
+decode client (DisaggregatedEngineClient), or a test's fake. tests/unit/deployments/test_engine_protocols.py
 checks every implementation against them.
 """
 

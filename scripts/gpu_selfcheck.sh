@@ -36,9 +36,9 @@ PY
 
 echo "== KV pages, P/D transfer and KV pool tier on cuda"
 MOE_SERVE_KV_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
-    tests/unit/test_kv_pages_layouts.py tests/unit/test_kv_connector_worker.py \
-    tests/unit/test_kv_port_security.py tests/unit/test_kv_pool_tier.py tests/unit/test_kv_tensor_parallel.py \
-    tests/unit/test_kv_mooncake_staged.py
+    tests/unit/kv_transfer/test_kv_pages_layouts.py tests/unit/kv_transfer/test_kv_connector_worker.py \
+    tests/unit/kv_transfer/test_kv_port_security.py tests/unit/kv_transfer/test_kv_pool_tier.py tests/unit/kv_transfer/test_kv_tensor_parallel.py \
+    tests/unit/kv_transfer/test_kv_mooncake_staged.py
 
 echo "== block copies against a plain device<->host copy"
 "$PY" -m benchmarks.bench_kv_pages --device cuda

@@ -1,5 +1,5 @@
 """One real vLLM fused-MoE layer on CPU, one forward, with expert observation installed (for
-tests/unit/test_expert_observation.py; its own process because vLLM's distributed state is
+tests/unit/engine/test_expert_observation.py; its own process because vLLM's distributed state is
 global).
 
     python tests/moe_layer_routes.py

@@ -3,7 +3,7 @@ to the session's application (P/D + expert-parallel decode, real engines) and to
 OpenAI server on the same checkpoint. Every status-class difference must be one we listed with
 its reason (benchmarks/fuzz_vs_vllm.py DELIBERATE), and we answer no body with a 5xx.
 
-The FakeEngine fuzz (tests/unit/test_openai_ingress_fuzz.py) covers the ingress alone; this one
+The FakeEngine fuzz (tests/unit/frontend/test_openai_ingress_fuzz.py) covers the ingress alone; this one
 reaches the engines, whose own validation (logprob counts, token ids against the vocabulary)
 a fake cannot show. benchmarks/fuzz_vs_vllm.py runs the same with thousands of bodies."""
 

@@ -25,7 +25,7 @@ from tests.prompt_set import COMPLETION_PROMPTS, MAX_TOKENS
 
 # Extended tier (docs/testing.md): ~11 minutes of CI (two groups redeployed, one replaced). The
 # default tier proves the failure path on the prefill side (test_prefill_failure.py) and a
-# rank's death failing its group's requests fast in tests/unit/test_expert_group.py.
+# rank's death failing its group's requests fast in tests/unit/expert_parallel/test_expert_group.py.
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
