@@ -14,5 +14,9 @@ Evaluation:
 - `simulator` (with `sim_pools`, `sim_decode`, `sim_metrics`), `traces`, `service_model`:
   a discrete-event cluster simulator, seeded traces and two calibrations.
 
-Nothing here imports Ray, vLLM, torch, Prometheus or httpx.
+The policy and the simulator import no Ray, vLLM, torch, Prometheus or httpx. The adapters do,
+each to one system: `prometheus_source` (observations from Prometheus, over httpx),
+`serve_policy` and `serve_loop` (Ray Serve's custom autoscaling policy, running the controller
+in Serve's controller process and exporting its decisions), and `settings` (what the builder
+hands Serve as the policy's kwargs).
 """

@@ -1,4 +1,8 @@
-"""Every environment variable moe-serve reads, in one place."""
+"""Where moe-serve keeps files outside the checkout: the builtin tiny checkpoints and the local
+cluster's state, each overridable by an environment variable (MOE_SERVE_CHECKPOINTS,
+MOE_SERVE_STATE_DIR). Other variables are read where they are used: RAY_ADDRESS by
+`serve_control`, the node settings by `local_cluster`, and the API keys' variable a manifest
+names by the ingress's `api_keys`."""
 
 from __future__ import annotations
 

@@ -37,7 +37,6 @@ from deployments.frontend.stream_merge import merged as _merged
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
-# Routes whose requests are counted and timed (monitoring/request_metrics.py), by metric label.
 # A client's conversation id: requests carrying the same one prefer the same engine replica
 # (session affinity of the prefix routing policy), unless that replica is overloaded.
 SESSION_HEADER = "X-Session-Id"
@@ -45,6 +44,7 @@ SESSION_HEADER = "X-Session-Id"
 # cut to this many characters, so no client can fill those tables with kilobyte-long keys.
 MAX_SESSION_ID_CHARS = 128
 OPEN_PATHS = {"/health"}  # everything else needs an API key when the manifest configures keys
+# Routes whose requests are counted and timed (monitoring/request_metrics.py), by metric label.
 GENERATION_ROUTES = {("POST", "/v1/completions"): "completions",
                      ("POST", "/v1/chat/completions"): "chat_completions"}
 

@@ -1,5 +1,7 @@
-"""Prompt rendering and tokenization, done once at the ingress so every engine gets token ids.
+"""The tokenizer behind the ingress's `/tokenize` and `/detokenize` routes (`info_routes`).
 
+Generation requests are rendered and tokenized by vLLM's own renderer (`render.py`); this is the
+checkpoint's tokenizer for those two utility routes, answering as vLLM's server does.
 Mirrors vLLM's own OpenAI server: completions encode the prompt with special tokens added;
 chat renders the checkpoint's chat template (with the generation prompt) and encodes the result
 without adding special tokens again.

@@ -1,6 +1,9 @@
 """Disaggregated requests: which decode, which prefill, and when to skip the remote prefill.
 
-Rule (`disagg_client.DisaggregatedEngineClient` applies it per request):
+Rule (`local_prefill_reason` below; `disagg_client.DisaggregatedEngineClient` asks it only when
+`kv_transfer.local_prefill_hit_fraction` is set, with `min_uncached_tokens` 0 and no pool hits
+counted, so today the client skips a remote prefill only for decode's own cache; the rest of the
+rule is what the function decides for the inputs it is given):
 1. decode first, by its pool's policy (prefix-aware: the replica whose cache holds the longest
    prefix, within the load gate): decode is where the request lives longest and its history
    grows;
