@@ -1,4 +1,6 @@
-"""From a manifest to a running cluster, by layer (lower layers import no higher one):
+"""From a manifest to a running cluster, by layer, bottom to top. Three imports still go up a
+layer: the manifest's validators ask `checkpoints` (builtin names) and `vllm_parsers` (parser
+names), and `kuberay` asks `ray_node_env` for the variables every node starts with.
 
 Configuration: `manifest` and its sections (`manifest_kv`, `manifest_routing`,
 `manifest_timeouts`, `manifest_autoscaling`, `manifest_http`, `manifest_kubernetes`,
