@@ -98,31 +98,11 @@ def test_prefill_issues_the_lease_time_left_with_its_deadline():
 def test_decodes_engine_server_converts_the_lease_time_on_receipt():
     import asyncio
 
-    from deployments.engine.llm_server import LLMServer
-    from deployments.records import EngineRequest, SamplingSpec, TokenDelta
+    from deployments.records import EngineRequest, SamplingSpec
 
-    class Recording:
-        max_model_len = 2048
+    from tests.unit.engine_fakes import recording_server
 
-        def __init__(self):
-            self.requests = []
-
-        async def generate(self, request):
-            self.requests.append(request)
-            yield TokenDelta("a", [1], "length", 3, 1)
-
-        async def abort(self, request_id):
-            pass
-
-        def unfinished_requests(self):
-            return 0
-
-        def shutdown(self):
-            pass
-
-    engine = Recording()
-    server = LLMServer({"name": "m", "max_model_len": 2048}, {"stream_interval_ms": 0}, "/ckpt",
-                       engine_factory=lambda *a, **k: engine, metrics=False)
+    server, engine = recording_server()
     wire = {**params_for_fields(), CONSUME_KEY: True, "lease_deadline_unix_s": 0.0, "lease_remaining_s": 20.0}
     before = time.monotonic()
 

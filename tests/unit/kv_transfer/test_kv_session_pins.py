@@ -163,31 +163,11 @@ def test_a_prefill_replica_asks_its_engine_under_the_clients_session():
     too, or the history a session's first turn computes is stored unpinned."""
     import asyncio
 
-    from deployments.engine.llm_server import LLMServer
-    from deployments.records import EngineRequest, SamplingSpec, TokenDelta
+    from deployments.records import EngineRequest, SamplingSpec
 
-    class Recording:
-        max_model_len = 2048
+    from tests.unit.engine_fakes import recording_server
 
-        def __init__(self):
-            self.requests = []
-
-        async def generate(self, request):
-            self.requests.append(request)
-            yield TokenDelta("a", [1], "length", 3, 1)
-
-        async def abort(self, request_id):
-            pass
-
-        def unfinished_requests(self):
-            return 0
-
-        def shutdown(self):
-            pass
-
-    engine = Recording()
-    server = LLMServer({"name": "m", "max_model_len": 2048}, {"stream_interval_ms": 0}, "/ckpt",
-                       engine_factory=lambda *a, **k: engine, metrics=False)
+    server, engine = recording_server()
     asyncio.run(server.prefill(EngineRequest("p-1", [1, 2, 3], SamplingSpec(max_tokens=4), session_id="agent-7",
                                              cache_salt="tenant-1")))
     (asked,) = engine.requests
